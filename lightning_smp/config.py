@@ -1,0 +1,539 @@
+"""SMPConfig: every smp v1 ``parameters`` key plus lightning_smp's own settings, checked at construction.
+
+Owns the defaults, the validation (every bad value is a ``ValueError`` that repeats it and names the fix),
+the SageMaker entry points (the ``smp_options`` dict, the ``SM_HP_MP_PARAMETERS`` variable) and the table of
+settings accepted but not acted on yet. It does not know the world size (``data_parallel_degree`` checks it
+once the strategy does) and builds no rank layout or process group (``topology.py`` does). Frozen, so derived
+values are properties and never drift from the fields they come from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import types
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["SMPConfig"]
+
+_ENV_VAR = "SM_HP_MP_PARAMETERS"
+# smp's schema has exactly one alias (config.yaml: pipeline_parallel_degree.alias = partitions).
+_ALIAS, _ALIAS_OF = "partitions", "pipeline_parallel_degree"
+_PIPELINES = ("interleaved", "simple")
+_OPTIMIZE = ("speed", "memory")
+_DDP_BACKENDS = ("auto", "nccl")
+_NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
+_OWN_FIELDS = frozenset(
+    {"static_loss_scale", "dynamic_loss_scale", "dynamic_loss_args", "pipeline_module", "partition"}
+)
+
+# smp settings that lightning_smp accepts but that change nothing yet: field -> why. When a feature lands,
+# delete its line here; `SMPConfig.inactive_settings` reads only this table.
+_INACTIVE_SETTINGS: dict[str, str] = {
+    "ddp": "data parallelism is always on (data parallel degree = world size / (pp * tp))",
+    "ddp_port": "Lightning's cluster environment provides MASTER_ADDR and MASTER_PORT",
+    "ddp_dist_backend": "Lightning picks the backend: NCCL on GPU, gloo on CPU",
+    "horovod": "data parallelism runs on torch.distributed, never Horovod",
+    "contiguous": "it is a TensorFlow-only smp setting",
+    "deterministic_server": "there is no execution server; every rank runs the same fixed pipeline schedule",
+    "skip_tracing": "lightning_smp never traces the model",
+    "offload_activations": "activation offloading is not implemented",
+    "activation_loading_horizon": "activation offloading is not implemented",
+    "shard_optimizer_state": "optimizer state sharding is not implemented",
+    "sharded_data_parallel_degree": "sharded data parallelism is not implemented",
+    "sdp_reduce_bucket_size": "sharded data parallelism is not implemented",
+    "sdp_param_persistence_threshold": "sharded data parallelism is not implemented",
+    "sdp_max_live_parameters": "sharded data parallelism is not implemented",
+    "sdp_hierarchical_allgather": "sharded data parallelism is not implemented",
+    "sdp_gradient_clipping": "sharded data parallelism is not implemented; clip with gradient_clip_val",
+    "delayed_parameter_initialization": "parameters are initialised when the module is built",
+    "fp16_params": "smp deprecated it in favour of fp16; set fp16=True",
+    "optimize": "tensor-parallel layers have a single implementation",
+}
+
+# Lowest allowed value of each plain int field (upper bounds that depend on other fields are checked apart).
+_INT_MINIMUMS: dict[str, tuple[int, str]] = {
+    "pipeline_parallel_degree": (1, "the number of pipeline stages; 1 means no pipelining"),
+    "tensor_parallel_degree": (1, "the number of ranks each tensor-parallel layer is split over"),
+    "microbatches": (1, "the number of pieces each batch is split into; 1 means no pipelining"),
+    "activation_loading_horizon": (0, "how many offloaded activations may wait on the GPU"),
+    "sharded_data_parallel_degree": (1, "1 means no sharded data parallelism"),
+    "tensor_parallel_seed": (0, "the seed of random ops inside tensor-parallel layers"),
+    "sdp_reduce_bucket_size": (1, "elements per gradient bucket"),
+    "sdp_param_persistence_threshold": (0, "elements below which a parameter is not sharded"),
+    "sdp_max_live_parameters": (1, "parameters gathered at once"),
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# dynamic_loss_args key -> (check, what it must be). Defaults live with the loss scaler, not here.
+_LOSS_ARG_CHECKS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "init_scale": (lambda v: _is_number(v) and v > 0, "a number > 0, for example 2**32"),
+    "scale_factor": (lambda v: _is_number(v) and v > 1, "a number > 1, for example 2.0"),
+    "scale_window": (lambda v: _is_int(v) and v >= 1, "an int >= 1, for example 1000"),
+    "min_scale": (lambda v: _is_number(v) and v > 0, "a number > 0, for example 1"),
+    "delayed_shift": (lambda v: _is_int(v) and v >= 1, "an int >= 1, for example 2"),
+    "consecutive_hysteresis": (lambda v: isinstance(v, bool), "True or False"),
+}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SMPConfig:
+    """Every smp v1 parameter with smp's default, plus lightning_smp's own settings.
+
+    Build it from keyword arguments, from a pasted SageMaker dict (`from_smp_options`), or from every source
+    with SageMaker's precedence (`from_sources`). Defaults and checks follow smdistributed-modelparallel
+    1.12-1.13 (its ``config.yaml`` schema and the SageMaker Python SDK docs).
+    """
+
+    # --- smp v1 parameters -------------------------------------------------------------------------------
+    pipeline_parallel_degree: int = 1
+    """Number of pipeline stages the model is split into (smp's old name: ``partitions``)."""
+    tensor_parallel_degree: int = 1
+    """Number of ranks each tensor-parallel layer is split over."""
+    microbatches: int = 1
+    """Pieces each batch is split into for pipelining; the batch size must be divisible by it."""
+    pipeline: str = "interleaved"
+    """Pipeline schedule: "interleaved" runs a backward as soon as it can (1F1B), "simple" runs every forward
+    first (GPipe)."""
+    optimize: str = "speed"
+    """smp's choice between tensor-parallel transformer implementations: "speed" or "memory". smp's code
+    defaults to "speed" (its docs table says "memory")."""
+    placement_strategy: str = "cluster"
+    """Order of the parallel dimensions over global ranks: "cluster" (= "DPT"), "spread" (= "TPD") or any
+    order of the letters D (data), P (pipeline), T (tensor); the right-most letter varies fastest, so it lands
+    on neighbouring ranks. Normalised to lower case for the names, upper case for the letters."""
+    auto_partition: bool = True
+    """Balance the pipeline stages automatically; if False, ``default_partition`` or ``partition`` decides."""
+    default_partition: int | None = None
+    """Stage index, in [0, pipeline_parallel_degree), for trunk children not placed by ``smp.partition`` or
+    ``smp.set_partition``; needed when ``auto_partition`` is False and ``partition`` is not given."""
+    memory_weight: float = 0.8
+    """Weight of memory, in [0, 1], against compute in the auto-partition cost model (0: balance compute only,
+    1: balance memory only)."""
+    active_microbatches: int | None = None
+    """Most microbatches in flight at once, in [1, microbatches]; None means min(pipeline_parallel_degree + 2,
+    microbatches), as in smp. Lower values cap activation memory."""
+    ddp: bool = False
+    """smp: turn on DistributedDataParallel (smp required it for tensor parallelism)."""
+    ddp_port: int | None = None
+    """smp: port for the DDP rendezvous."""
+    ddp_dist_backend: str = "auto"
+    """smp: collective backend for data parallelism, "auto" (SMDDP where possible, else NCCL) or "nccl"."""
+    horovod: bool = False
+    """smp (TensorFlow): use Horovod for data parallelism."""
+    contiguous: bool = True
+    """smp (TensorFlow): keep every partition a connected subgraph."""
+    deterministic_server: bool = False
+    """smp: make the pipeline execution server run requests in the same order on every data-parallel rank."""
+    offload_activations: bool = False
+    """smp: move checkpointed activations to CPU memory during forward, back for backward."""
+    activation_loading_horizon: int = 4
+    """smp: how many offloaded activations may be back on the GPU awaiting their backward."""
+    fp16: bool = False
+    """Train with fp16 parameters, fp32 master weights in the optimizer and loss scaling."""
+    bf16: bool = False
+    """Train with bf16 parameters; needs fp16 (and fp16_params) off."""
+    fp16_params: bool = False
+    """smp (deprecated in favour of fp16): create distributed modules' parameters in fp16."""
+    shard_optimizer_state: bool = False
+    """smp: shard optimizer state over the data-parallel ranks that hold the same parameters."""
+    sharded_data_parallel_degree: int = 1
+    """smp: number of ranks the training state is sharded over (MiCS/ZeRO-style); 1 turns it off."""
+    sdp_reduce_bucket_size: int = 500_000_000
+    """smp: gradient bucket size in elements, for sharded data parallelism."""
+    sdp_param_persistence_threshold: int = 1_000_000
+    """smp: parameters with fewer elements stay unsharded, for sharded data parallelism."""
+    sdp_max_live_parameters: int = 1_000_000_000
+    """smp: most parameters gathered at once, for sharded data parallelism."""
+    sdp_hierarchical_allgather: bool = True
+    """smp: all-gather within each node first, then across nodes, for sharded data parallelism."""
+    sdp_gradient_clipping: float = 1.0
+    """smp: gradient-norm clipping threshold applied when sharded data parallelism is on."""
+    prescaled_batch: bool = False
+    """The ranks of one tensor-parallel group receive the same batch (used by the vocab-parallel LM head)."""
+    delayed_parameter_initialization: bool = False
+    """smp: create parameters only once their shard and device are known, to save CPU memory."""
+    skip_tracing: bool = False
+    """smp: skip the tracing pass that measures module costs before partitioning."""
+    tensor_parallel_seed: int = 0
+    """Seed of the random ops (initialisation, dropout) inside tensor-parallel layers."""
+
+    # --- lightning_smp settings (not smp parameters) -----------------------------------------------------
+    static_loss_scale: float = 1.0
+    """lightning_smp: fixed loss scale (> 0) used when ``dynamic_loss_scale`` is False; smp took it in
+    ``smp.DistributedOptimizer``."""
+    dynamic_loss_scale: bool = True
+    """lightning_smp: adjust the fp16 loss scale on overflow. smp's DistributedOptimizer defaulted to False;
+    we default to True because fp16 without it silently underflows or overflows."""
+    dynamic_loss_args: Mapping[str, Any] | None = None
+    """lightning_smp: settings of the dynamic loss scaler, any of init_scale, scale_factor, scale_window,
+    min_scale, delayed_shift, consecutive_hysteresis (smp's ``dynamic_loss_args``); stored read-only. Keys
+    left out take the loss scaler's smp defaults."""
+    pipeline_module: str | None = None
+    """lightning_smp: dotted path, from the LightningModule, of the sequential trunk to pipeline (for example
+    "model.blocks"); None picks the sequential container with the most parameters."""
+    partition: tuple[int, ...] | None = None
+    """lightning_smp: manual stage sizes, one per stage, counted in children of the pipelined trunk (for
+    example (3, 3, 2)); a list is accepted and stored as a tuple."""
+
+    def __post_init__(self) -> None:
+        # With `from __future__ import annotations` field types are strings, hence "bool".
+        for field in dataclasses.fields(self):
+            if field.type == "bool" and not isinstance(getattr(self, field.name), bool):
+                value = getattr(self, field.name)
+                raise ValueError(f"{field.name}={value!r} is not a bool; pass {field.name}=True or False.")
+        for name, (low, meaning) in _INT_MINIMUMS.items():
+            _require_int(name, getattr(self, name), low, meaning=meaning)
+        self._validate_choices()
+        self._validate_pipeline()
+        self._validate_precision()
+
+    def _validate_choices(self) -> None:
+        _require_choice("pipeline", self.pipeline, _PIPELINES)
+        _require_choice("optimize", self.optimize, _OPTIMIZE)
+        _require_choice("ddp_dist_backend", self.ddp_dist_backend, _DDP_BACKENDS)
+        object.__setattr__(self, "placement_strategy", _normalise_placement(self.placement_strategy))
+        weight = _require_float("memory_weight", self.memory_weight, lambda v: 0 <= v <= 1, "in [0, 1]")
+        object.__setattr__(self, "memory_weight", weight)
+        clip = _require_float("sdp_gradient_clipping", self.sdp_gradient_clipping, lambda v: v > 0, "> 0")
+        object.__setattr__(self, "sdp_gradient_clipping", clip)
+        if self.ddp_port is not None:
+            _require_int("ddp_port", self.ddp_port, 0, 65535, meaning="a TCP port")
+
+    def _validate_pipeline(self) -> None:
+        pp = self.pipeline_parallel_degree
+        if self.active_microbatches is not None:
+            _require_int(
+                "active_microbatches",
+                self.active_microbatches,
+                1,
+                self.microbatches,
+                meaning=f"at most microbatches={self.microbatches} exist, or leave it None for smp's default",
+            )
+        if self.default_partition is not None:
+            _require_int(
+                "default_partition",
+                self.default_partition,
+                0,
+                pp - 1,
+                meaning=f"a stage index below pipeline_parallel_degree={pp}",
+            )
+        if self.partition is not None:
+            object.__setattr__(self, "partition", _normalise_partition(self.partition, pp))
+        if not self.auto_partition and self.default_partition is None and self.partition is None:
+            raise ValueError(
+                "auto_partition=False needs default_partition (the stage for trunk children not placed by "
+                "smp.partition / smp.set_partition) or partition=(one size per stage); set one of them, or "
+                "leave auto_partition=True."
+            )
+        if self.pipeline_module is not None:
+            parts = self.pipeline_module.split(".") if isinstance(self.pipeline_module, str) else []
+            if not parts or not all(part.isidentifier() or part.isdigit() for part in parts):
+                raise ValueError(
+                    f"pipeline_module={self.pipeline_module!r} is invalid; give the dotted attribute path of "
+                    "the sequential trunk inside the LightningModule, for example 'model.blocks', or None to "
+                    "pick the sequential container with the most parameters."
+                )
+
+    def _validate_precision(self) -> None:
+        if self.bf16 and self.fp16:
+            raise ValueError("bf16 needs fp16 off: pick one of fp16=True or bf16=True")
+        if self.bf16 and self.fp16_params:
+            raise ValueError("bf16 needs fp16_params off: fp16_params=True asks for fp16 parameters.")
+        scale = _require_float("static_loss_scale", self.static_loss_scale, lambda v: v > 0, "> 0")
+        object.__setattr__(self, "static_loss_scale", scale)
+        if self.dynamic_loss_scale and scale != 1.0:
+            raise ValueError(
+                f"static_loss_scale={scale} is ignored while dynamic_loss_scale=True (lightning_smp's "
+                "default); set dynamic_loss_scale=False to train with a fixed scale, or start the dynamic "
+                f"scaler there with dynamic_loss_args={{'init_scale': {scale}}}."
+            )
+        if self.dynamic_loss_args is not None:
+            args = _normalise_loss_args(self.dynamic_loss_args)
+            if not self.dynamic_loss_scale:
+                raise ValueError(
+                    f"dynamic_loss_args={dict(args)!r} has no effect with dynamic_loss_scale=False; set "
+                    "dynamic_loss_scale=True or drop dynamic_loss_args."
+                )
+            object.__setattr__(self, "dynamic_loss_args", args)
+
+    def __reduce__(self) -> tuple[Callable[[dict[str, Any]], SMPConfig], tuple[dict[str, Any]]]:
+        # A mappingproxy cannot be pickled or deep-copied; rebuild from plain values so that spawn launchers
+        # and copy.deepcopy still work.
+        values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
+        if self.dynamic_loss_args is not None:
+            values["dynamic_loss_args"] = dict(self.dynamic_loss_args)
+        return _rebuild, (values,)
+
+    # --- derived values ----------------------------------------------------------------------------------
+    @property
+    def model_parallel_degree(self) -> int:
+        """Ranks holding one model replica: pipeline_parallel_degree * tensor_parallel_degree."""
+        return self.pipeline_parallel_degree * self.tensor_parallel_degree
+
+    @property
+    def resolved_active_microbatches(self) -> int:
+        """``active_microbatches``, or smp's default min(pipeline_parallel_degree + 2, microbatches)."""
+        if self.active_microbatches is not None:
+            return self.active_microbatches
+        return min(self.pipeline_parallel_degree + 2, self.microbatches)
+
+    @property
+    def placement_order(self) -> str:
+        """``placement_strategy`` as three letters of D/P/T, slowest-varying first ("cluster" -> "DPT")."""
+        return _NAMED_PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
+
+    @property
+    def half_dtype(self) -> torch.dtype | None:
+        """The 16-bit parameter dtype, or None when training in fp32."""
+        if self.fp16:
+            return torch.float16
+        if self.bf16:
+            return torch.bfloat16
+        return None
+
+    def data_parallel_degree(self, world_size: int) -> int:
+        """Number of model replicas in a job of ``world_size`` ranks; raises when the degrees do not fit."""
+        _require_int("world_size", world_size, 1, meaning="the number of processes in the job")
+        pp, tp, mp = self.pipeline_parallel_degree, self.tensor_parallel_degree, self.model_parallel_degree
+        if world_size % mp:
+            good_pp, good_tp = _fitting_degrees(world_size, pp, tp)
+            raise ValueError(
+                f"pipeline_parallel_degree={pp} × tensor_parallel_degree={tp} = {mp} does not divide "
+                f"the world size {world_size}; pick degrees whose product divides {world_size} (for example "
+                f"pipeline_parallel_degree={good_pp}, tensor_parallel_degree={good_tp} → data parallel "
+                f"degree {world_size // (good_pp * good_tp)})"
+            )
+        return world_size // mp
+
+    def inactive_settings(self) -> list[str]:
+        """One line per setting changed from its default that lightning_smp accepts but ignores for now."""
+        defaults = {field.name: field.default for field in dataclasses.fields(self)}
+        return [
+            f"{name}={getattr(self, name)!r} has no effect in lightning_smp yet: {reason}"
+            for name, reason in _INACTIVE_SETTINGS.items()
+            if getattr(self, name) != defaults[name]
+        ]
+
+    def as_smp_parameters(self) -> dict[str, Any]:
+        """The smp parameters only, as ``smp.state.cfg`` shows them (active_microbatches resolved)."""
+        params = {
+            field.name: getattr(self, field.name) for field in dataclasses.fields(self) if field.name not in _OWN_FIELDS
+        }
+        params["active_microbatches"] = self.resolved_active_microbatches
+        return params
+
+    # --- constructors ------------------------------------------------------------------------------------
+    @classmethod
+    def from_smp_options(cls, options: Mapping[str, Any], **overrides: Any) -> SMPConfig:
+        """Build from SageMaker's ``smp_options`` as pasted (``{"enabled": True, "parameters": {...}}``) or
+        from its inner parameters dict; ``overrides`` are further field values and win over the dict."""
+        params = _smp_parameters(options, source="smp_options")
+        params.update(_canonical(overrides, source="keyword arguments", smp_only=False))
+        return cls(**params)
+
+    @classmethod
+    def from_sources(
+        cls,
+        kwargs: Mapping[str, Any],
+        *,
+        smp_options: Mapping[str, Any] | None = None,
+        environ: Mapping[str, str] = os.environ,
+    ) -> SMPConfig:
+        """Merge defaults < ``smp_options`` < ``kwargs`` < ``SM_HP_MP_PARAMETERS`` (as smp.init does).
+
+        A key given in both ``smp_options`` and ``kwargs`` must agree. The environment variable, set by a
+        SageMaker job, overrides both, with a warning for each value it changes.
+        """
+        explicit = _canonical(kwargs, source="keyword arguments", smp_only=False)
+        merged = {} if smp_options is None else _smp_parameters(smp_options, source="smp_options")
+        for name, value in explicit.items():
+            if name in merged and merged[name] != value:
+                raise ValueError(
+                    f"{name} is given twice with different values: {merged[name]!r} in smp_options and "
+                    f"{value!r} as a keyword argument; keep only one of them."
+                )
+        merged.update(explicit)
+        for name, value in _environ_parameters(environ).items():
+            if name in merged and merged[name] != value:
+                warnings.warn(
+                    f"{_ENV_VAR} sets {name}={value!r}, overriding {merged[name]!r} given in the script "
+                    "(as in smp, the SageMaker job's parameters win).",
+                    stacklevel=2,
+                )
+            merged[name] = value
+        return cls(**merged)
+
+
+_FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(SMPConfig))
+_SMP_NAMES = _FIELD_NAMES - _OWN_FIELDS
+
+
+def _rebuild(values: dict[str, Any]) -> SMPConfig:
+    return SMPConfig(**values)
+
+
+def _require_int(name: str, value: object, low: int, high: int | None = None, *, meaning: str) -> None:
+    bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+    if not _is_int(value) or value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={value!r} is invalid; set it to an int {bounds} ({meaning}).")
+
+
+def _require_float(name: str, value: object, ok: Callable[[float], bool], requirement: str) -> float:
+    if not _is_number(value) or not ok(value):
+        raise ValueError(f"{name}={value!r} is invalid; set it to a number {requirement}.")
+    return float(value)
+
+
+def _require_choice(name: str, value: object, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is invalid; choose one of {', '.join(map(repr, choices))}.")
+
+
+def _normalise_placement(value: object) -> str:
+    if isinstance(value, str):
+        if value.lower() in _NAMED_PLACEMENTS:
+            return value.lower()
+        if sorted(value.upper()) == ["D", "P", "T"]:
+            return value.upper()
+    raise ValueError(
+        f"placement_strategy={value!r} is invalid; use 'cluster' (= 'DPT'), 'spread' (= 'TPD') or another "
+        "order of the three letters D, P, T such as 'PDT' (the right-most letter varies fastest over ranks)."
+    )
+
+
+def _normalise_partition(sizes: object, pp: int) -> tuple[int, ...]:
+    if (
+        isinstance(sizes, str | bytes)
+        or not isinstance(sizes, Sequence)
+        or not sizes
+        or not all(_is_int(size) and size >= 1 for size in sizes)
+    ):
+        raise ValueError(
+            f"partition={sizes!r} is invalid; give one int >= 1 per pipeline stage, the number of trunk "
+            "children each stage holds, for example partition=(3, 3, 2), or None to balance automatically."
+        )
+    if len(sizes) != pp:
+        raise ValueError(
+            f"partition={tuple(sizes)} has {len(sizes)} stage sizes but pipeline_parallel_degree={pp}; give "
+            f"exactly {pp} sizes, one per stage, or set pipeline_parallel_degree={len(sizes)}."
+        )
+    return tuple(sizes)
+
+
+def _normalise_loss_args(args: object) -> types.MappingProxyType[str, Any]:
+    if not isinstance(args, Mapping):
+        raise ValueError(
+            f"dynamic_loss_args={args!r} is invalid; pass a dict such as "
+            "{'scale_window': 1000, 'min_scale': 1, 'delayed_shift': 2}."
+        )
+    for key, value in args.items():
+        if key not in _LOSS_ARG_CHECKS:
+            raise _unknown_key("dynamic_loss_args key", key, _LOSS_ARG_CHECKS)
+        ok, requirement = _LOSS_ARG_CHECKS[key]
+        if not ok(value):
+            raise ValueError(f"dynamic_loss_args[{key!r}]={value!r} is invalid; set it to {requirement}.")
+    return types.MappingProxyType(dict(args))
+
+
+def _fitting_degrees(world_size: int, pp: int, tp: int) -> tuple[int, int]:
+    """The largest degrees up to ``pp`` and ``tp`` whose product divides ``world_size`` (tp chosen first)."""
+    tp = max(d for d in range(1, min(tp, world_size) + 1) if world_size % d == 0)
+    pp = max(d for d in range(1, min(pp, world_size) + 1) if world_size % (d * tp) == 0)
+    return pp, tp
+
+
+def _unknown_key(kind: str, key: object, accepted: Iterable[str]) -> ValueError:
+    accepted = sorted(accepted)
+    close = difflib.get_close_matches(str(key), accepted, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"accepted names: {', '.join(accepted)}."
+    return ValueError(f"unknown {kind} {key!r}; {hint}")
+
+
+def _canonical(params: Mapping[str, Any], *, source: str, smp_only: bool) -> dict[str, Any]:
+    """``params`` with the ``partitions`` alias resolved and every key checked against the accepted names."""
+    params = dict(params)
+    if _ALIAS in params:
+        value = params.pop(_ALIAS)
+        if _ALIAS_OF in params and params[_ALIAS_OF] != value:
+            raise ValueError(
+                f"{source} gives both {_ALIAS}={value!r} and {_ALIAS_OF}={params[_ALIAS_OF]!r}; "
+                f"'{_ALIAS}' is smp's old name for '{_ALIAS_OF}', keep only one of them."
+            )
+        params[_ALIAS_OF] = value
+    accepted = _SMP_NAMES if smp_only else _FIELD_NAMES
+    for key in params:
+        if smp_only and key in _OWN_FIELDS:
+            close = difflib.get_close_matches(key, [*accepted, _ALIAS], n=1)
+            meant = f" (or did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(
+                f"{key!r} in {source} is a lightning_smp setting, not an smp parameter; pass it to "
+                f"SMPStrategy as a keyword argument instead{meant}."
+            )
+        if key not in accepted:
+            kind = "smp parameter" if smp_only else "lightning_smp setting"
+            raise _unknown_key(kind, key, [*accepted, _ALIAS])
+    return params
+
+
+def _smp_parameters(options: Mapping[str, Any], *, source: str) -> dict[str, Any]:
+    """The smp parameters in ``options``, given whole (``{"enabled": ..., "parameters": ...}``) or inner."""
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"{source}={options!r} is invalid; pass a dict, either SageMaker's "
+            "{'enabled': True, 'parameters': {...}} or just its parameters."
+        )
+    if "enabled" in options or "parameters" in options:
+        extra = sorted(map(repr, set(options) - {"enabled", "parameters"}))
+        if extra:
+            raise ValueError(
+                f"{source} has 'enabled'/'parameters' and also {', '.join(extra)}; smp parameters belong "
+                "inside 'parameters'."
+            )
+        enabled = options.get("enabled", True)
+        if enabled is False:
+            raise ValueError(
+                f"model parallelism is disabled in this {source} dict ('enabled': False); set "
+                "'enabled': True, or pass just its 'parameters', to use it with lightning_smp."
+            )
+        if enabled is not True:
+            raise ValueError(f"{source}['enabled']={enabled!r} is not a bool; set 'enabled': True.")
+        options = options.get("parameters", {})
+        if not isinstance(options, Mapping):
+            raise ValueError(f"{source}['parameters']={options!r} is invalid; make it a dict of parameters.")
+    return _canonical(options, source=source, smp_only=True)
+
+
+def _environ_parameters(environ: Mapping[str, str]) -> dict[str, Any]:
+    raw = environ.get(_ENV_VAR)
+    if raw is None:
+        return {}
+    try:
+        params = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{_ENV_VAR}={raw!r} is not valid JSON ({err}); SageMaker sets it to a JSON object of smp "
+            "parameters such as '{\"microbatches\": 4}'; fix or unset it."
+        ) from err
+    if not isinstance(params, dict):
+        raise ValueError(
+            f"{_ENV_VAR}={raw!r} is not a JSON object; it must map smp parameter names to values, "
+            "such as '{\"microbatches\": 4}'."
+        )
+    return _canonical(params, source=_ENV_VAR, smp_only=True)
