@@ -1,0 +1,242 @@
+"""The rank layout dp x pp x tp and every process group of a run.
+
+Owns: where each rank sits in the data / pipeline / tensor grid (pure functions over ints), and the one
+``build`` that creates the DeviceMesh and all process groups. No other module calls ``init_device_mesh`` or
+``new_group``; everything else receives a ``Topology`` as ``topology=`` and asks it for sizes, ranks and
+groups. Not owned: choosing the degrees (``config.py``) and initialising the default group (the strategy).
+Why a DeviceMesh: DTensor / ``parallelize_module`` and ``torch.distributed.pipelining`` take meshes, and a
+mesh whose dims follow the placement order has exactly the layout of ``rank_groups`` as its row-major order.
+"""
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from itertools import product
+from types import MappingProxyType
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["AXES", "Topology", "build", "coordinates", "rank_groups"]
+
+log = logging.getLogger(__name__)
+
+AXES = ("dp", "pp", "tp", "mp", "dp_tp", "embedding", "world")
+"""Every axis a ``Topology`` answers for; see ``rank_groups`` for what each one means."""
+
+_LETTER_AXIS = {"D": "dp", "P": "pp", "T": "tp"}
+_ALIASES = {"cluster": "DPT", "spread": "TPD"}
+# The grid dims each axis spans; "mp" and "dp_tp" are sub-meshes flattened into one group each.
+_AXIS_LETTERS = {"dp": "D", "pp": "P", "tp": "T", "mp": "PT", "dp_tp": "DT", "world": "DPT"}
+
+
+def rank_groups(order: str, *, dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
+    """Global ranks of every group on every axis, following smp's ``placement_strategy``.
+
+    ``order`` is "cluster" (= "DPT"), "spread" (= "TPD") or any permutation of "D", "P", "T". The left-most
+    letter varies slowest and the right-most letter fastest, i.e. its groups live on neighbouring ranks (smp):
+    ``rank = (c0 * n1 + c1) * n2 + c2`` for coordinates ``c`` and degrees ``n`` taken in that order.
+
+    Axes (each maps to a list of groups; every group is sorted, and a rank's position in its group is its rank
+    in that axis's process group):
+
+    - ``dp``: true data-parallel replicas (same pp and tp coordinate; smp's ``rdp``).
+    - ``pp``: the pipeline stages of one replica's tp slice.
+    - ``tp``: the tensor-parallel shards of one stage.
+    - ``mp``: pp x tp, all ranks holding one model replica (smp's ``mp`` group).
+    - ``dp_tp``: dp x tp, all ranks of one pipeline stage (smp's own ``dp`` group: each tp rank reads its own
+      batch in smp, so smp counts it as data parallel).
+    - ``embedding``: for each (dp, tp) the ranks of stage 0 and stage pp - 1, which hold tied embedding / head
+      weights; one rank per group when pp == 1. Ranks of middle stages belong to no embedding group.
+    - ``world``: all ranks.
+
+    Worked example, world 8 = dp 2 x pp 2 x tp 2 (coordinates written as dp/pp/tp)::
+
+        "DPT" (cluster): rank = dp*4 + pp*2 + tp       "TPD" (spread): rank = tp*4 + pp*2 + dp
+          rank 0..7 = 000 001 010 011 100 101 110 111     rank 0..7 = 000 100 010 110 001 101 011 111
+          tp:    [0, 1] [2, 3] [4, 5] [6, 7]              tp:    [0, 4] [1, 5] [2, 6] [3, 7]
+          pp:    [0, 2] [1, 3] [4, 6] [5, 7]              pp:    [0, 2] [1, 3] [4, 6] [5, 7]
+          dp:    [0, 4] [1, 5] [2, 6] [3, 7]              dp:    [0, 1] [2, 3] [4, 5] [6, 7]
+          mp:    [0, 1, 2, 3] [4, 5, 6, 7]                mp:    [0, 2, 4, 6] [1, 3, 5, 7]
+          dp_tp: [0, 1, 4, 5] [2, 3, 6, 7]                dp_tp: [0, 1, 4, 5] [2, 3, 6, 7]
+          embedding = pp (two stages: first and last)     embedding = pp
+
+    With pp 4 x tp 2 under "DPT" (rank = pp*2 + tp) the pp groups are [0, 2, 4, 6] [1, 3, 5, 7] and the
+    embedding groups [0, 6] [1, 7]; ranks 2..5 are in none.
+    """
+    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp)
+    all_coords = list(product(*(range(degrees[letter]) for letter in letters)))  # row-major == rank order
+    groups: dict[str, list[list[int]]] = {}
+    for axis, members in _AXIS_LETTERS.items():
+        fixed = [i for i, letter in enumerate(letters) if letter not in members]
+        by_key: dict[tuple[int, ...], list[int]] = {}
+        for rank, coords in enumerate(all_coords):
+            by_key.setdefault(tuple(coords[i] for i in fixed), []).append(rank)
+        groups[axis] = sorted(by_key.values())
+    groups["embedding"] = [sorted({stages[0], stages[-1]}) for stages in groups["pp"]]
+    return {axis: groups[axis] for axis in AXES}
+
+
+def coordinates(rank: int, order: str, *, dp: int, pp: int, tp: int) -> dict[str, int]:
+    """``rank``'s place in the grid, e.g. ``{"dp": 1, "pp": 0, "tp": 1}``; the inverse of ``rank_groups``."""
+    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp)
+    world_size = dp * pp * tp
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside the job: dp={dp} x pp={pp} x tp={tp} has ranks 0..{world_size - 1}")
+    coords = {}
+    for letter in reversed(letters):  # the right-most letter varies fastest
+        rank, coords[_LETTER_AXIS[letter]] = divmod(rank, degrees[letter])
+    return {axis: coords[axis] for axis in ("dp", "pp", "tp")}
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Topology:
+    """This rank's view of the dp x pp x tp grid and its process groups. Create it with ``build``."""
+
+    dp: int
+    """Data-parallel degree: number of model replicas."""
+    pp: int
+    """Pipeline-parallel degree: number of stages."""
+    tp: int
+    """Tensor-parallel degree: shards per stage."""
+    order: str
+    """Placement order as letters ("DPT", "TPD", ...), never an alias."""
+    global_rank: int
+    """This process's rank in the default group."""
+    mesh: DeviceMesh = field(repr=False)
+    """The 3-D mesh, dims named "dp", "pp", "tp" in placement order."""
+    _meshes: Mapping[str, DeviceMesh] = field(repr=False)
+    _embedding_group: ProcessGroup | None = field(repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.rank("pp") == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.rank("pp") == self.pp - 1
+
+    def group(self, axis: str) -> ProcessGroup:
+        """The process group of this rank on ``axis`` (one of ``AXES``); "world" is the default group."""
+        _check_axis(axis)
+        if axis == "world":
+            return dist.group.WORLD
+        if axis == "embedding":
+            if self._embedding_group is None:
+                raise ValueError(
+                    f"rank {self.global_rank} is pipeline stage {self.rank('pp')} of {self.pp}; only the "
+                    "first and last stages hold tied embeddings. Check `topology.is_first_stage or "
+                    "topology.is_last_stage` before asking for the 'embedding' group."
+                )
+            return self._embedding_group
+        return self._meshes[axis].get_group()
+
+    def size(self, axis: str) -> int:
+        """Number of ranks in this rank's group on ``axis``."""
+        return self.group(axis).size()
+
+    def rank(self, axis: str) -> int:
+        """This rank's index within its group on ``axis`` (its rank in ``group(axis)``)."""
+        return self.group(axis).rank()
+
+    def ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group on ``axis``, ascending (= group-rank order)."""
+        return dist.get_process_group_ranks(self.group(axis))
+
+
+def build(*, dp: int, pp: int, tp: int, order: str, device_type: str) -> Topology:
+    """Create the DeviceMesh and every process group of the run.
+
+    Call it once on every rank, with the same arguments (group creation is collective), after the default
+    process group exists. ``order`` is as in ``rank_groups``; ``device_type`` is the mesh's ("cuda", "cpu").
+    """
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "topology.build needs the default process group; call torch.distributed.init_process_group first "
+            "(SMPStrategy.setup_environment does this)."
+        )
+    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp)
+    world_size = dist.get_world_size()
+    if dp * pp * tp != world_size:
+        raise ValueError(
+            f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp}, but the job has world_size={world_size}. The "
+            f"degrees must multiply to the number of processes: launch {dp * pp * tp} processes or pick "
+            f"degrees whose product is {world_size}."
+        )
+    names = tuple(_LETTER_AXIS[letter] for letter in letters)
+    mesh = init_device_mesh(device_type, tuple(degrees[letter] for letter in letters), mesh_dim_names=names)
+    meshes = {name: mesh[name] for name in names}
+    for flat_name in ("mp", "dp_tp"):
+        # torch 2.13 slices only in the root's dim order, and slicing a flattened dim from the root mesh is
+        # deprecated: slice in placement order and keep the flattened mesh ourselves.
+        dims = tuple(_LETTER_AXIS[letter] for letter in letters if letter in _AXIS_LETTERS[flat_name])
+        meshes[flat_name] = mesh[dims]._flatten(flat_name)
+    layout = rank_groups(letters, dp=dp, pp=pp, tp=tp)
+    if pp <= 2:
+        # Stage 0 and stage pp-1 are the whole pipeline group: reuse it rather than open another communicator.
+        embedding_group = meshes["pp"].get_group()
+    else:
+        embedding_group, _ = dist.new_subgroups_by_enumeration(layout["embedding"], group_desc="embedding")
+    topology = Topology(
+        dp=dp,
+        pp=pp,
+        tp=tp,
+        order=letters,
+        global_rank=dist.get_rank(),
+        mesh=mesh,
+        _meshes=MappingProxyType(meshes),
+        _embedding_group=embedding_group,
+    )
+    _check_groups(topology, layout)
+    log.info(
+        "lightning_smp topology: dp=%d pp=%d tp=%d order=%s world_size=%d; rank %d is %s",
+        dp,
+        pp,
+        tp,
+        letters,
+        world_size,
+        topology.global_rank,
+        " ".join(f"{axis}={c}" for axis, c in coordinates(topology.global_rank, letters, dp=dp, pp=pp, tp=tp).items()),
+    )
+    return topology
+
+
+def _layout(order: str, *, dp: int, pp: int, tp: int) -> tuple[str, dict[str, int]]:
+    """Validate the arguments; return the order as letters ("DPT") and the degrees keyed by letter."""
+    letters = _ALIASES.get(order, order)
+    if sorted(letters) != ["D", "P", "T"]:
+        raise ValueError(
+            f"placement order {order!r} is not valid; use 'cluster' (= 'DPT'), 'spread' (= 'TPD') or another "
+            "permutation of the letters D, P, T (right-most letter = neighbouring ranks)."
+        )
+    degrees = {"dp": dp, "pp": pp, "tp": tp}
+    for axis, degree in degrees.items():
+        if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
+            raise ValueError(f"{axis}={degree!r} is not a valid degree; every degree must be an integer >= 1.")
+    return letters, {letter: degrees[axis] for letter, axis in _LETTER_AXIS.items()}
+
+
+def _check_axis(axis: str) -> None:
+    if axis not in AXES:
+        raise ValueError(f"unknown axis {axis!r}; valid axes are {', '.join(map(repr, AXES))}.")
+
+
+def _check_groups(topology: Topology, layout: dict[str, list[list[int]]]) -> None:
+    """Re-check each group of this rank against the pure layout, as torchtitan's ``_validate_meshes`` does."""
+    rank = topology.global_rank
+    for axis, groups in layout.items():
+        expected = next((group for group in groups if rank in group), None)
+        if expected is None:  # a middle pipeline stage, in no "embedding" group
+            continue
+        actual = topology.ranks(axis)
+        if actual != expected:
+            raise ValueError(
+                f"the {axis!r} group of rank {rank} holds ranks {actual}, but order={topology.order} with "
+                f"dp={topology.dp} pp={topology.pp} tp={topology.tp} needs {expected}. This is a bug in "
+                "lightning_smp.topology; please report it with these numbers."
+            )

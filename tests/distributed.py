@@ -1,0 +1,128 @@
+"""The one launcher for multi-process tests: ``run_distributed`` spawns the ranks, ``init_gloo`` joins them.
+
+Each rank gets the environment torchrun would give it (plus ``TORCHELASTIC_RUN_ID``), so a Lightning Trainer
+built inside a rank detects an external launch and does not spawn processes itself. The parent never hangs:
+the first rank error, a rank that dies silently, or the timeout ends every rank and fails the test.
+"""
+
+import multiprocessing
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_gloo", "run_distributed"]
+
+# How long the parent keeps reading after a rank exited without a result (its message may be in flight).
+_DRAIN_S = 2.0
+# How long ranks that all returned may take to exit before they are terminated.
+_EXIT_GRACE_S = 10.0
+
+
+def run_distributed(
+    target: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0, env: dict | None = None
+) -> list:
+    """Run ``target(rank, *args)`` in ``world_size`` spawned processes; return their results in rank order.
+
+    ``target`` must be a module-level function of an importable module (``tests.test_x.fn``) and its result
+    picklable. ``env`` is added to every rank's environment. A rank that raises fails the test with its
+    traceback (``pytest.fail``; match it with ``pytest.raises(pytest.fail.Exception, match=...)``).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    results_queue = ctx.Queue()
+    base_env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0",
+        "NODE_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "test",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    processes = []
+    try:
+        for rank in range(world_size):
+            rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            # Not daemonic, so that a rank may start DataLoader workers; the finally below ends every rank.
+            process = ctx.Process(
+                target=_child, args=(target, rank, args, rank_env, results_queue), name=f"rank{rank}"
+            )
+            process.start()
+            processes.append(process)
+        results = _collect(processes, results_queue, timeout)
+        grace_deadline = time.monotonic() + _EXIT_GRACE_S
+        for process in processes:  # let finished ranks exit on their own before the finally ends stragglers
+            process.join(timeout=max(0.0, grace_deadline - time.monotonic()))
+        return results
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        results_queue.close()
+
+
+def init_gloo() -> None:
+    """Initialise a gloo default group from the environment ``run_distributed`` set up."""
+    dist.init_process_group("gloo")
+
+
+def _child(
+    target: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], results_queue: Any
+) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    try:
+        # Plain pickle bytes: torch's queue reducers would share tensors through memory this process owns.
+        results_queue.put((rank, True, pickle.dumps(target(rank, *args))))
+    except BaseException:
+        # Report before cleaning up: destroying the group may block while other ranks wait in a collective.
+        results_queue.put((rank, False, traceback.format_exc()))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _collect(processes: list, results_queue: Any, timeout: float) -> list:
+    world_size = len(processes)
+    deadline = time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    silent_exit_at: float | None = None
+    while len(results) < world_size:
+        now = time.monotonic()
+        if now > deadline:
+            running = [rank for rank, process in enumerate(processes) if process.is_alive()]
+            pytest.fail(f"timed out after {timeout}s; ranks still running: {running}", pytrace=False)
+        try:
+            rank, ok, payload = results_queue.get(timeout=min(0.5, deadline - now))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(processes) if r not in results and p.exitcode is not None]
+            if dead:
+                silent_exit_at = silent_exit_at or now
+                if now - silent_exit_at > _DRAIN_S:
+                    codes = {r: processes[r].exitcode for r in dead}
+                    pytest.fail(f"ranks exited without a result (rank: exit code): {codes}", pytrace=False)
+            continue
+        if not ok:
+            pytest.fail(f"rank {rank} of {world_size} raised:\n{payload}", pytrace=False)
+        results[rank] = pickle.loads(payload)
+    return [results[rank] for rank in range(world_size)]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
