@@ -1,0 +1,579 @@
+"""Tier 1 tests of `MasterWeightOptimizer`: single process, CPU.
+
+Every numerical test compares the wrapper with a plain fp32 optimizer that steps fp32 copies of the parameters
+using the unscaled grads of the same fp16 forward/backward, so only the wrapper's bookkeeping is under test.
+"""
+
+import io
+import math
+import sys
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.optim import SGD, Adadelta, AdamW, Optimizer
+from torch.optim.lr_scheduler import StepLR
+
+from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lightning_smp.optimizer import MasterWeightOptimizer
+
+SCALE = 2.0**10
+OptimizerFactory = Callable[[Iterator[Tensor] | list[Tensor]], Optimizer]
+
+OPTIMIZERS: dict[str, OptimizerFactory] = {
+    "sgd_momentum": lambda params: SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2),
+    "adadelta": lambda params: Adadelta(params, lr=1.0),
+    "adamw_foreach": lambda params: AdamW(params, lr=1e-2, weight_decay=0.1, foreach=True),
+    "adamw_fused": lambda params: AdamW(params, lr=1e-2, weight_decay=0.1, fused=True),
+}
+
+
+def _model(seed: int = 0, dtype: torch.dtype = torch.float16, hidden: int = 4) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, hidden), nn.ReLU(), nn.Linear(hidden, 2)).to(dtype)
+
+
+def _batch(step: int, dtype: torch.dtype = torch.float16) -> Tensor:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(16, 8, generator=generator).to(dtype)
+
+
+def _backward(model: nn.Module, wrapper: MasterWeightOptimizer, step: int, *, first_layer_only: bool = False) -> None:
+    """One fp16 forward/backward with the loss scaled as the precision plugin does."""
+    x = _batch(step, next(model.parameters()).dtype)
+    out = model[0](x) if first_layer_only else model(x)
+    loss = out.float().pow(2).mean()
+    scale = wrapper.scale_tensor
+    (loss * scale if scale is not None else loss).backward()
+    wrapper.note_backward()
+
+
+def _fp32_copies(model: nn.Module) -> list[Tensor]:
+    return [p.detach().float().clone().requires_grad_() for p in model.parameters()]
+
+
+def _set_unscaled_grads(reference: list[Tensor], model: nn.Module, scale: float) -> None:
+    for ref, param in zip(reference, model.parameters(), strict=True):
+        ref.grad = None if param.grad is None else param.grad.float() / scale
+
+
+def _snapshot(tensors: list[Tensor]) -> list[Tensor]:
+    return [t.detach().clone() for t in tensors]
+
+
+def _assert_all_equal(actual: list[Tensor], expected: list[Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert torch.equal(a, e)
+
+
+def _step_counts(wrapper: MasterWeightOptimizer) -> list[float]:
+    """AdamW's per-param step counters (SGD keeps none)."""
+    states = [wrapper.state[m] for m in wrapper.master_params() if m in wrapper.state]
+    return [float(state["step"]) for state in states if "step" in state]
+
+
+def _deep_copy(state: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+# ---------------------------------------------------------------- masters and the shared param groups
+
+
+def test_masters_are_fp32_copies_and_replace_the_half_params_in_the_groups() -> None:
+    half = nn.Linear(8, 4).half()
+    norm = nn.BatchNorm1d(4)  # kept in fp32, as Lightning's precision plugins do
+    inner = SGD([*half.parameters(), *norm.parameters()], lr=0.1)
+    wrapper = MasterWeightOptimizer(inner, loss_scaler=StaticLossScaler(SCALE))
+
+    masters = wrapper.master_params()
+    assert len(masters) == 4
+    for master, param in zip(masters[:2], half.parameters(), strict=True):
+        assert master.dtype == torch.float32
+        assert master is not param
+        assert torch.equal(master, param.float())
+    # fp32 params are their own masters, in the same objects.
+    assert masters[2] is norm.weight
+    assert masters[3] is norm.bias
+    group_params = inner.param_groups[0]["params"]
+    assert all(a is b for a, b in zip(group_params, masters, strict=True))
+    assert all(p.dtype == torch.float32 for p in group_params)
+    assert wrapper.param_groups is wrapper.optimizer.param_groups
+    assert wrapper.optimizer is inner
+    assert wrapper.state is inner.state
+    assert wrapper.defaults is inner.defaults
+
+
+def test_wrapper_equals_its_inner_optimizer_for_lightnings_scheduler_check() -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    other = MasterWeightOptimizer(SGD(_model(1).parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    assert wrapper == wrapper.optimizer
+    assert wrapper.optimizer == wrapper  # reflected through the wrapper's __eq__
+    assert hash(wrapper) == hash(wrapper.optimizer)
+    assert wrapper.optimizer in [wrapper]
+    assert wrapper != other
+    assert wrapper != other.optimizer
+
+
+def test_fp32_params_get_their_grads_unscaled() -> None:
+    weight = nn.Parameter(torch.ones(3))
+    wrapper = MasterWeightOptimizer(SGD([weight], lr=0.5), loss_scaler=StaticLossScaler(SCALE))
+    weight.grad = torch.full((3,), 2.0 * SCALE)
+    wrapper.step()
+    assert torch.equal(weight.detach(), torch.zeros(3))  # 1 - 0.5 * 2
+
+
+# ---------------------------------------------------------------- LR schedulers
+
+
+@pytest.mark.parametrize("target", ["wrapper", "inner"])
+def test_step_lr_changes_the_lr_the_update_uses(target: str) -> None:
+    param = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    wrapper = MasterWeightOptimizer(SGD([param], lr=1.0), loss_scaler=StaticLossScaler(4.0))
+    scheduler = StepLR(wrapper if target == "wrapper" else wrapper.optimizer, step_size=1, gamma=0.5)
+    assert scheduler.optimizer in [wrapper]
+    master = wrapper.master_params()[0]
+    for lr in (1.0, 0.5, 0.25):
+        param.grad = torch.full((2,), 4.0, dtype=torch.float16)  # unscaled: 1.0
+        before = master.detach().clone()
+        wrapper.step()
+        assert torch.equal(master.detach(), before - lr)
+        assert torch.equal(param.detach(), master.detach().half())
+        scheduler.step()
+
+
+# ---------------------------------------------------------------- equivalence with an fp32 optimizer
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_matches_an_fp32_optimizer_on_the_unscaled_grads(name: str) -> None:
+    make = OPTIMIZERS[name]
+    model = _model()
+    reference = _fp32_copies(model)
+    ref_optimizer = make(reference)
+    wrapper = MasterWeightOptimizer(make(model.parameters()), loss_scaler=StaticLossScaler(SCALE))
+    initial = _snapshot(wrapper.master_params())
+    for step in range(5):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step)
+        _set_unscaled_grads(reference, model, SCALE)
+        ref_optimizer.step()
+        wrapper.step()
+    masters = wrapper.master_params()
+    for master, ref, param, start in zip(masters, reference, model.parameters(), initial, strict=True):
+        assert not torch.equal(master, start)  # the test trained something
+        # A power-of-two scale unscales exactly, so the same optimizer on the same grads is bit-identical.
+        assert torch.equal(master.detach(), ref.detach())
+        assert torch.equal(param.detach(), master.detach().half())
+
+
+def test_fused_and_foreach_adamw_give_the_same_masters() -> None:
+    results = []
+    for name in ("adamw_foreach", "adamw_fused"):
+        model = _model()
+        wrapper = MasterWeightOptimizer(OPTIMIZERS[name](model.parameters()), loss_scaler=StaticLossScaler(SCALE))
+        for step in range(5):
+            wrapper.zero_grad()
+            _backward(model, wrapper, step)
+            wrapper.step()
+        results.append(_snapshot(wrapper.master_params()))
+    # Not bit-for-bit: torch's fused CPU AdamW kernel rounds differently from the foreach one (~1e-9 here).
+    for foreach, fused in zip(*results, strict=True):
+        torch.testing.assert_close(fused, foreach, rtol=0, atol=1e-7)
+
+
+# ---------------------------------------------------------------- overflow
+
+
+@pytest.mark.parametrize("delayed_shift", [1, 2])
+@pytest.mark.parametrize("name", ["adamw_fused", "adamw_foreach", "sgd_momentum"])
+def test_overflow_skips_the_step_and_backs_off(name: str, delayed_shift: int) -> None:
+    model = _model()
+    scaler = DynamicLossScaler(init_scale=SCALE, delayed_shift=delayed_shift)
+    wrapper = MasterWeightOptimizer(OPTIMIZERS[name](model.parameters()), loss_scaler=scaler)
+    _backward(model, wrapper, 0)
+    wrapper.step()
+    assert not wrapper.last_step_skipped()
+    counts = _step_counts(wrapper)
+
+    wrapper.zero_grad()
+    _backward(model, wrapper, 1)
+    model[0].weight.grad[0, 0] = math.inf
+    masters, params = _snapshot(wrapper.master_params()), _snapshot(list(model.parameters()))
+    assert wrapper.overflow
+    wrapper.step()
+    _assert_all_equal(_snapshot(wrapper.master_params()), masters)
+    _assert_all_equal(_snapshot(list(model.parameters())), params)
+    assert _step_counts(wrapper) == counts
+    assert wrapper.skipped_steps.item() == 1
+    assert wrapper.last_step_skipped()
+    assert wrapper.overflow
+    if delayed_shift == 1:
+        assert wrapper.loss_scale == SCALE / 2
+    else:
+        assert wrapper.loss_scale == SCALE
+        assert scaler.state_dict()["cur_hysteresis"] == 1
+
+    wrapper.zero_grad()
+    _backward(model, wrapper, 2)
+    assert not wrapper.overflow
+    wrapper.step()
+    assert not wrapper.last_step_skipped()
+    assert wrapper.skipped_steps.item() == 1
+    for after, before in zip(wrapper.master_params(), masters, strict=True):
+        assert not torch.equal(after, before)
+    for param, master in zip(model.parameters(), wrapper.master_params(), strict=True):
+        assert torch.equal(param.detach(), master.detach().half())
+    assert [c - 1 for c in _step_counts(wrapper)] == counts
+
+
+def test_overflow_in_an_fp32_param_grad_skips_the_step() -> None:
+    half = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    full = nn.Parameter(torch.ones(2))
+    wrapper = MasterWeightOptimizer(SGD([half, full], lr=0.1), loss_scaler=DynamicLossScaler(init_scale=SCALE))
+    half.grad = torch.ones(2, dtype=torch.float16)
+    full.grad = torch.tensor([1.0, math.nan])
+    wrapper.step()
+    assert wrapper.last_step_skipped()
+    assert torch.equal(half.detach(), torch.ones(2, dtype=torch.float16))
+    assert torch.equal(full.detach(), torch.ones(2))
+
+
+# ---------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_master_grads_returns_the_unscaled_norm_and_clips(norm_type: float) -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=DynamicLossScaler(init_scale=SCALE))
+    _backward(model, wrapper, 0)
+    reference = _fp32_copies(model)
+    _set_unscaled_grads(reference, model, SCALE)
+    total = torch.nn.utils.get_total_norm([r.grad for r in reference], norm_type)
+    max_norm = total.item() / 4
+    expected = torch.nn.utils.clip_grad_norm_(reference, max_norm, norm_type)
+
+    norm = wrapper.clip_master_grads(max_norm, norm_type)
+    assert norm.dim() == 0
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    grads = [m.grad for m in wrapper.master_params()]
+    for grad, ref in zip(grads, reference, strict=True):
+        torch.testing.assert_close(grad, ref.grad, rtol=1e-6, atol=1e-9)
+    clipped = torch.nn.utils.get_total_norm(grads, norm_type)
+    torch.testing.assert_close(clipped, torch.tensor(max_norm), rtol=1e-5, atol=0)
+
+
+def test_clip_master_grads_leaves_small_grads_alone() -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    _backward(model, wrapper, 0)
+    reference = _fp32_copies(model)
+    _set_unscaled_grads(reference, model, SCALE)
+    wrapper.clip_master_grads(1e6)
+    for master, ref in zip(wrapper.master_params(), reference, strict=True):
+        torch.testing.assert_close(master.grad, ref.grad, rtol=1e-6, atol=0)
+
+
+def test_clip_master_grads_returns_minus_one_on_overflow() -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=DynamicLossScaler(init_scale=SCALE))
+    _backward(model, wrapper, 0)
+    model[2].bias.grad[0] = -math.inf
+    assert wrapper.clip_master_grads(1.0).item() == -1.0
+
+
+def test_clip_master_grads_by_value_clamps() -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    _backward(model, wrapper, 0)
+    reference = _fp32_copies(model)
+    _set_unscaled_grads(reference, model, SCALE)
+    clip_value = max(r.grad.abs().max().item() for r in reference) / 3
+    wrapper.clip_master_grads_by_value(clip_value)
+    for master, ref in zip(wrapper.master_params(), reference, strict=True):
+        assert torch.equal(master.grad, ref.grad.clamp(-clip_value, clip_value))
+    assert max(m.grad.abs().max().item() for m in wrapper.master_params()) == pytest.approx(clip_value)
+
+
+# ---------------------------------------------------------------- unused parameters
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "adamw_fused", "sgd_momentum"])
+def test_unused_param_master_is_not_updated_like_in_fp32(name: str) -> None:
+    model = _model()
+    reference = _fp32_copies(model)
+    ref_optimizer = OPTIMIZERS[name](reference)
+    wrapper = MasterWeightOptimizer(OPTIMIZERS[name](model.parameters()), loss_scaler=StaticLossScaler(SCALE))
+    unused_masters = _snapshot(wrapper.master_params()[2:])
+    unused_params = _snapshot(list(model[2].parameters()))
+    for step in range(3):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step, first_layer_only=True)
+        assert model[2].weight.grad is None
+        _set_unscaled_grads(reference, model, SCALE)
+        ref_optimizer.step()
+        wrapper.step()
+    _assert_all_equal(_snapshot(wrapper.master_params()[2:]), unused_masters)  # no weight decay either
+    _assert_all_equal(_snapshot(list(model[2].parameters())), unused_params)
+    for master, ref in zip(wrapper.master_params(), reference, strict=True):
+        torch.testing.assert_close(master.detach(), ref.detach(), rtol=0, atol=1e-6)
+    # The masters get their grads back for the next step that uses them.
+    assert all(m.grad is not None for m in wrapper.master_params())
+
+
+def _overflow_then_unused(wrapper: MasterWeightOptimizer, model: nn.Module) -> None:
+    _backward(model, wrapper, 0)
+    model[2].weight.grad[0, 0] = math.inf
+    wrapper.step()
+    assert wrapper.last_step_skipped()
+    wrapper.zero_grad()
+    _backward(model, wrapper, 1, first_layer_only=True)
+
+
+@pytest.mark.parametrize("name", ["adamw_foreach", "adamw_fused"])
+def test_stale_inf_of_an_unused_param_does_not_overflow(name: str) -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(
+        OPTIMIZERS[name](model.parameters()), loss_scaler=DynamicLossScaler(init_scale=SCALE)
+    )
+    _overflow_then_unused(wrapper, model)
+    before = _snapshot(list(model[0].parameters()))
+    assert not wrapper.overflow
+    wrapper.step()
+    assert not wrapper.last_step_skipped()
+    assert not torch.equal(model[0].weight.detach(), before[0])
+
+
+def test_stale_grad_of_an_unused_param_is_not_in_the_norm() -> None:
+    model = _model()
+    # Scale 1, so the stale grad is not shrunk by being unscaled a second time.
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(1.0))
+    _backward(model, wrapper, 0)
+    wrapper.step()
+    wrapper.zero_grad()
+    _backward(model, wrapper, 1, first_layer_only=True)
+    reference = _fp32_copies(model)
+    _set_unscaled_grads(reference, model, 1.0)
+    expected = torch.nn.utils.get_total_norm([r.grad for r in reference if r.grad is not None])
+    torch.testing.assert_close(wrapper.clip_master_grads(1e6), expected, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------- bf16
+
+
+def test_bf16_has_no_scaling_never_skips_and_matches_fp32() -> None:
+    model = _model(dtype=torch.bfloat16)
+    reference = _fp32_copies(model)
+    ref_optimizer = OPTIMIZERS["adamw_foreach"](reference)
+    wrapper = MasterWeightOptimizer(OPTIMIZERS["adamw_foreach"](model.parameters()), loss_scaler=None)
+    assert wrapper.loss_scale == 1.0
+    assert wrapper.scale_tensor is None
+    assert wrapper.loss_scaler is None
+    for step in range(3):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step, first_layer_only=False)
+        _set_unscaled_grads(reference, model, 1.0)
+        ref_optimizer.step()
+        wrapper.step()
+        assert not wrapper.last_step_skipped()
+    for master, ref, param in zip(wrapper.master_params(), reference, model.parameters(), strict=True):
+        assert master.dtype == torch.float32
+        torch.testing.assert_close(master.detach(), ref.detach(), rtol=0, atol=1e-6)
+        assert torch.equal(param.detach(), master.detach().bfloat16())
+
+    wrapper.zero_grad()
+    _backward(model, wrapper, 3)
+    model[0].weight.grad[0, 0] = math.inf
+    assert not wrapper.overflow
+    wrapper.step()
+    assert not wrapper.last_step_skipped()
+    assert wrapper.skipped_steps.item() == 0
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+def _train(model: nn.Module, wrapper: MasterWeightOptimizer, steps: range, overflow_at: int | None = None) -> None:
+    for step in steps:
+        wrapper.zero_grad()
+        _backward(model, wrapper, step)
+        if step == overflow_at:
+            model[0].bias.grad[1] = math.nan
+        wrapper.step()
+
+
+def _fp16_adamw(seed: int = 0, hidden: int = 4) -> tuple[nn.Module, MasterWeightOptimizer]:
+    model = _model(seed, hidden=hidden)
+    scaler = DynamicLossScaler(init_scale=SCALE, scale_window=2, delayed_shift=2)
+    return model, MasterWeightOptimizer(OPTIMIZERS["adamw_fused"](model.parameters()), loss_scaler=scaler)
+
+
+def test_state_dict_round_trip_continues_bit_identically() -> None:
+    model, wrapper = _fp16_adamw()
+    _train(model, wrapper, range(4), overflow_at=1)
+    state = _deep_copy(wrapper.state_dict())
+    assert state["skipped_steps"] == 1
+
+    restored_model, restored = _fp16_adamw(seed=1)
+    restored.load_state_dict(state)
+    _assert_all_equal(_snapshot(list(restored_model.parameters())), _snapshot(list(model.parameters())))
+    assert restored.loss_scale == wrapper.loss_scale
+    assert restored.skipped_steps.item() == 1
+
+    _train(model, wrapper, range(4, 8), overflow_at=5)
+    _train(restored_model, restored, range(4, 8), overflow_at=5)
+    _assert_all_equal(_snapshot(restored.master_params()), _snapshot(wrapper.master_params()))
+    _assert_all_equal(_snapshot(list(restored_model.parameters())), _snapshot(list(model.parameters())))
+    assert restored.loss_scaler.state_dict() == wrapper.loss_scaler.state_dict()
+    assert restored.skipped_steps.item() == wrapper.skipped_steps.item() == 2
+
+
+def test_load_state_dict_from_another_model_raises() -> None:
+    model, wrapper = _fp16_adamw()
+    _train(model, wrapper, range(1))
+    _, other = _fp16_adamw(hidden=5)
+    with pytest.raises(ValueError, match="different model or parameter order"):
+        other.load_state_dict(wrapper.state_dict())
+
+
+def test_load_state_dict_without_master_weights_raises() -> None:
+    _, wrapper = _fp16_adamw()
+    with pytest.raises(ValueError, match=r"not saved by an fp16/bf16 SMP run"):
+        wrapper.load_state_dict(wrapper.optimizer.state_dict())
+
+
+def _bf16_wrapper() -> tuple[nn.Module, MasterWeightOptimizer]:
+    model = _model(1, dtype=torch.bfloat16)
+    return model, MasterWeightOptimizer(OPTIMIZERS["adamw_fused"](model.parameters()), loss_scaler=None)
+
+
+def test_fp16_state_into_a_bf16_wrapper_raises() -> None:
+    model, wrapper = _fp16_adamw()
+    _train(model, wrapper, range(2))
+    _, bf16 = _bf16_wrapper()
+    with pytest.raises(ValueError, match="same precision"):
+        bf16.load_state_dict(wrapper.state_dict())
+
+
+def test_a_rejected_load_leaves_the_wrapper_unchanged() -> None:
+    model, wrapper = _fp16_adamw()
+    _train(model, wrapper, range(2))
+    bf16_model, bf16 = _bf16_wrapper()
+    masters, params = _snapshot(bf16.master_params()), _snapshot(list(bf16_model.parameters()))
+    with pytest.raises(ValueError):
+        bf16.load_state_dict(wrapper.state_dict())
+    _assert_all_equal(_snapshot(list(bf16_model.parameters())), params)
+    _assert_all_equal(_snapshot(bf16.master_params()), masters)
+    assert not bf16.state
+
+
+# ---------------------------------------------------------------- host syncs
+
+
+def _forbid(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    def raise_sync(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"host sync: Tensor.{name}")
+
+    monkeypatch.setattr(torch.Tensor, name, raise_sync)
+
+
+def test_fused_path_never_reads_the_device() -> None:
+    model, wrapper = _fp16_adamw()
+    for step in range(3):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step)
+        if step == 1:
+            model[0].weight.grad[1, 1] = math.inf
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            for name in ("item", "__bool__", "__float__", "__int__", "__index__", "tolist"):
+                _forbid(monkeypatch, name)
+            wrapper.unscale_grads()
+            wrapper.clip_master_grads(1.0)
+            wrapper.step()
+    assert wrapper.skipped_steps.item() == 1
+    assert wrapper.loss_scale == SCALE
+
+
+def test_non_fused_path_reads_the_overflow_flag_once_per_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(
+        OPTIMIZERS["adamw_foreach"](model.parameters()), loss_scaler=DynamicLossScaler(init_scale=SCALE)
+    )
+    item = torch.Tensor.item
+    calls = []
+
+    def counting_item(tensor: Tensor) -> float:
+        # Only the wrapper's reads: torch's foreach AdamW reads its CPU step counters with `.item()` itself.
+        if "lightning_smp" in sys._getframe(1).f_code.co_filename:
+            calls.append(tensor)
+        return item(tensor)
+
+    for step in range(3):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(torch.Tensor, "item", counting_item)
+            for name in ("__bool__", "__float__", "__int__", "tolist"):
+                _forbid(patch, name)
+            wrapper.unscale_grads()
+            wrapper.clip_master_grads(1.0)
+            wrapper.step()
+        assert len(calls) == step + 1
+
+
+# ---------------------------------------------------------------- misuse and small API
+
+
+def test_add_param_group_is_refused_with_a_remedy() -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model[0].parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    with pytest.raises(NotImplementedError, match="configure_optimizers"):
+        wrapper.add_param_group({"params": list(model[2].parameters())})
+
+
+def test_wrapping_an_optimizer_that_has_state_raises() -> None:
+    param = nn.Parameter(torch.ones(2, dtype=torch.float16))
+    inner = AdamW([param], lr=0.1, foreach=True)
+    param.grad = torch.ones(2, dtype=torch.float16)
+    inner.step()
+    with pytest.raises(ValueError, match="already has state"):
+        MasterWeightOptimizer(inner, loss_scaler=StaticLossScaler(SCALE))
+
+
+def test_wrapping_twice_raises() -> None:
+    wrapper = MasterWeightOptimizer(SGD(_model().parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    with pytest.raises(ValueError, match="already a MasterWeightOptimizer"):
+        MasterWeightOptimizer(wrapper, loss_scaler=StaticLossScaler(SCALE))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_clears_the_model_grads(set_to_none: bool) -> None:
+    model = _model()
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(SCALE))
+    _backward(model, wrapper, 0)
+    wrapper.zero_grad(set_to_none=set_to_none)
+    for param in model.parameters():
+        if set_to_none:
+            assert param.grad is None
+        else:
+            assert torch.equal(param.grad, torch.zeros_like(param))
+
+
+def test_last_step_skipped_follows_the_last_step() -> None:
+    model, wrapper = _fp16_adamw()
+    outcomes = []
+    for step in range(4):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step)
+        if step in (1, 2):
+            model[2].weight.grad[0, 0] = math.inf
+        wrapper.step()
+        assert wrapper.last_step_skipped_ready()
+        outcomes.append(wrapper.last_step_skipped())
+    assert outcomes == [False, True, True, False]
+    assert wrapper.skipped_steps.item() == 2
