@@ -1,0 +1,26 @@
+"""lightning_smp: SageMaker-model-parallel-style training (smp v1) as a PyTorch Lightning strategy.
+
+``import lightning_smp`` registers the strategy names (``smp``, ``smp_fp16``, ``smp_bf16`` and their fork-launched
+variants for notebooks); ``from lightning_smp import smp`` gives the smp-compatible facade.
+"""
+
+from lightning_smp import smp
+from lightning_smp.config import SMPConfig
+from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.precision import SMPPrecision
+from lightning_smp.strategy import SMPStrategy, register_strategies
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicLossScaler",
+    "MasterWeightOptimizer",
+    "SMPConfig",
+    "SMPPrecision",
+    "SMPStrategy",
+    "StaticLossScaler",
+    "smp",
+]
+
+register_strategies()

@@ -1,0 +1,260 @@
+"""SMPPrecision: the Lightning precision plugin for smp-style fp16/bf16 training with fp32 master weights.
+
+It owns where precision meets Lightning's loop: casting the module and the batch, scaling the loss in backward,
+wrapping optimizers in `MasterWeightOptimizer`, clipping the master grads, and keeping LR schedulers from
+stepping when an optimizer step was skipped (Lightning steps them anyway: issues #5558, #16228).
+The update itself lives in `optimizer.py`, the scale rule in `loss_scaler.py`.
+BatchNorm layers stay fp32 (as Apex's O2 did): their running statistics lose too much in fp16.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
+
+if TYPE_CHECKING:
+    from lightning_smp.topology import Topology
+
+__all__ = ["SMPPrecision"]
+
+# Lightning's names for the parameter dtype (what ModelSummary sizes parameters by); the masters are extra.
+_PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
+
+
+class SMPPrecision(Precision):
+    """fp16 or bf16 parameters with fp32 master weights; fp16 adds smp's loss scaling.
+
+    Args:
+        dtype: ``torch.float16``, ``torch.bfloat16``, or ``None`` for plain fp32 training.
+        dynamic_loss_scale: fp16 only: dynamic (smp's ``DynamicLossScaler``) rather than a static scale.
+        static_loss_scale: fp16 with ``dynamic_loss_scale=False``: the fixed scale.
+        dynamic_loss_args: fp16 dynamic scaling: smp's ``dynamic_loss_args`` (``init_scale``, ``scale_factor``,
+            ``scale_window``, ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``).
+    """
+
+    def __init__(
+        self,
+        dtype: torch.dtype | None = torch.float16,
+        *,
+        dynamic_loss_scale: bool = True,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_args: dict[str, Any] | None = None,
+    ) -> None:
+        if dtype not in _PRECISION_NAMES:
+            raise ValueError(
+                f"SMPPrecision(dtype={dtype}) is not supported; use torch.float16, torch.bfloat16 or None."
+            )
+        self.dtype = dtype
+        self.precision = _PRECISION_NAMES[dtype]  # type: ignore[assignment]
+        self._dynamic_loss_scale = dynamic_loss_scale
+        self._static_loss_scale = static_loss_scale
+        self._dynamic_loss_args = dict(dynamic_loss_args or {})
+        self.topology: Topology | None = None  # set by SMPStrategy before `connect`
+        self._wrapped: list[MasterWeightOptimizer] = []
+        self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
+
+    @property
+    def master_weight_optimizers(self) -> list[MasterWeightOptimizer]:
+        """The optimizers this plugin updates through fp32 masters (empty in fp32 mode)."""
+        return self._wrapped
+
+    # -- module and data ------------------------------------------------------------------------------------
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.dtype is None:
+            return module
+        module.to(self.dtype)
+        for layer in module.modules():
+            if isinstance(layer, _BatchNorm):
+                _keep_in_fp32(layer, self.dtype)
+        return module
+
+    @override
+    def convert_input(self, data: Any) -> Any:
+        if self.dtype is None:
+            return data
+        return apply_to_collection(data, function=self._to_half, dtype=Tensor)
+
+    def _to_half(self, tensor: Tensor) -> Tensor:
+        return tensor.to(self.dtype) if torch.is_floating_point(tensor) else tensor
+
+    # -- optimizers ----------------------------------------------------------------------------------------
+
+    def wrap_optimizer(self, optimizer: Optimizer, **scaler_settings: Any) -> MasterWeightOptimizer:
+        """Wrap ``optimizer`` (built over this plugin's half params) in fp32 master weights.
+
+        ``scaler_settings`` (``dynamic_loss_scale``, ``static_loss_scale``, ``dynamic_loss_args``) override the
+        plugin's, as ``smp.DistributedOptimizer`` passes them.
+        """
+        if self.dtype is None:
+            raise ValueError("fp32 training has no master weights; use fp16=True or bf16=True to wrap optimizers.")
+        loss_scaler = None
+        if self.dtype == torch.float16:
+            loss_scaler = build_loss_scaler(
+                dynamic=scaler_settings.get("dynamic_loss_scale", self._dynamic_loss_scale),
+                static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
+                dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
+            )
+        norm_group = None
+        if self.topology is not None and self.topology.size("mp") > 1:
+            norm_group = self.topology.group("mp")
+        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=norm_group)
+        self._wrapped.append(wrapped)
+        return wrapped
+
+    @override
+    def connect(
+        self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
+    ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
+        if self.dtype is None:
+            return model, optimizers, lr_schedulers
+        optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
+        for config in lr_schedulers:
+            if config.interval == "step":
+                owner = next(opt for opt in optimizers if opt == config.scheduler.optimizer)
+                self._scheduler_gates.append(_SkipAwareSchedulerStep(config.scheduler, owner))
+        return model, optimizers, lr_schedulers
+
+    # -- backward and step ---------------------------------------------------------------------------------
+
+    @override
+    def backward(  # type: ignore[override]
+        self,
+        tensor: Tensor,
+        model: pl.LightningModule,
+        optimizer: Optimizable | None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        wrapped = self._optimizer_for_backward(optimizer)
+        if wrapped is None:
+            return super().backward(tensor, model, optimizer, *args, **kwargs)
+        scale = wrapped.scale_tensor
+        scaled = tensor.float() * scale if scale is not None else tensor.float()
+        model.backward(scaled, *args, **kwargs)
+        wrapped.note_backward()
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if not isinstance(optimizer, MasterWeightOptimizer):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            return closure_result  # training_step returned None: nothing to update (as Lightning's AMP plugin)
+        for gate in self._scheduler_gates:
+            gate.flush(wait=True)
+        optimizer.unscale_grads()
+        self._after_closure(model, optimizer)
+        optimizer.step(**kwargs)
+        return closure_result
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizer.clip_master_grads(clip_val)
+        else:
+            super().clip_grad_by_norm(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizer.clip_master_grads_by_value(clip_val)
+        else:
+            super().clip_grad_by_value(optimizer, clip_val)
+
+    @override
+    def main_params(self, optimizer: Optimizer) -> list[Tensor]:  # type: ignore[override]
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer.master_params()
+        return super().main_params(optimizer)
+
+    @override
+    def teardown(self) -> None:
+        for gate in self._scheduler_gates:
+            gate.flush(wait=True)
+
+    def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)  # a LightningOptimizer
+        if isinstance(inner, MasterWeightOptimizer):
+            return inner
+        if optimizer is None and self._wrapped:
+            # manual optimization: `self.manual_backward(loss)` names no optimizer
+            scalers = {id(opt.loss_scaler) for opt in self._wrapped}
+            if len(scalers) > 1:
+                raise ValueError(
+                    "`manual_backward(loss)` cannot tell which loss scale to use: there are several fp16 "
+                    "optimizers, each with its own scale. Use one optimizer with several param groups instead."
+                )
+            return self._wrapped[0]
+        return None
+
+
+class _SkipAwareSchedulerStep:
+    """Replaces a step-interval LR scheduler's ``step`` so it does not advance after a skipped optimizer step.
+
+    The decision needs the overflow flag on the host. Rather than stall the stream right after the step, a call
+    is held until the flag has landed, at the latest until just before the next optimizer step reads the LR.
+    On the CPU the flag is always there, so the call is decided at once.
+    """
+
+    def __init__(self, scheduler: Any, optimizer: MasterWeightOptimizer) -> None:
+        self._optimizer = optimizer
+        self._step = scheduler.step
+        self._state_dict = scheduler.state_dict
+        self._pending: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        scheduler.step = self.step
+        scheduler.state_dict = self.state_dict
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self._pending.append((args, kwargs))
+        self.flush(wait=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.flush(wait=True)
+        # torch schedulers save their `__dict__`, which now holds these two replaced methods: leave them out
+        return {key: value for key, value in self._state_dict().items() if key not in ("step", "state_dict")}
+
+    def flush(self, *, wait: bool) -> None:
+        if not self._pending or not (wait or self._optimizer.last_step_skipped_ready()):
+            return
+        pending, self._pending = self._pending, []
+        if self._optimizer.last_step_skipped():
+            return
+        for args, kwargs in pending:
+            self._step(*args, **kwargs)
+
+
+def _keep_in_fp32(layer: nn.Module, model_dtype: torch.dtype) -> None:
+    """Keep a layer (BatchNorm) in fp32 inside a half-precision model: fp32 in, the model's dtype out."""
+    layer.float()
+
+    def cast_in(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(a.float() if isinstance(a, Tensor) and torch.is_floating_point(a) else a for a in args)
+
+    def cast_out(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        return output.to(model_dtype) if isinstance(output, Tensor) and output.is_floating_point() else output
+
+    layer.register_forward_pre_hook(cast_in)
+    layer.register_forward_hook(cast_out)

@@ -1,0 +1,303 @@
+"""The smp-compatible facade: ``from lightning_smp import smp`` gives SageMaker code the names it calls.
+
+It owns nothing. Every answer comes from the `Topology`, `SMPConfig` and precision plugin of the running
+`SMPStrategy`, which activates this module in ``setup_environment`` and clears it in ``teardown``: that is the one
+module-level reference in the package. Outside a run each call raises and says where to call it instead.
+Rank names follow smp: ``dp`` counts tensor-parallel ranks as data parallel (world / pp), ``rdp`` is the number
+of true model replicas (our data-parallel degree), ``mp`` is pp × tp.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+if TYPE_CHECKING:
+    from lightning_smp.config import SMPConfig
+    from lightning_smp.strategy import SMPStrategy
+    from lightning_smp.topology import Topology
+
+__all__ = [
+    "DistributedOptimizer",
+    "barrier",
+    "dp_barrier",
+    "dp_rank",
+    "dp_size",
+    "get_dp_process_group",
+    "get_mp_process_group",
+    "get_pp_process_group",
+    "get_rdp_process_group",
+    "get_tp_process_group",
+    "get_world_process_group",
+    "init",
+    "local_rank",
+    "local_size",
+    "model_creation",
+    "mp_barrier",
+    "mp_rank",
+    "mp_size",
+    "pp_barrier",
+    "pp_rank",
+    "pp_size",
+    "rank",
+    "rdp_barrier",
+    "rdp_rank",
+    "rdp_size",
+    "size",
+    "state",
+    "tensor_parallelism",
+    "tp_barrier",
+    "tp_rank",
+    "tp_size",
+]
+
+
+@dataclass(frozen=True)
+class _Run:
+    strategy: SMPStrategy
+    topology: Topology
+    config: SMPConfig
+
+
+_active: _Run | None = None
+
+# smp's axis names → our topology's (smp's dp includes the tp ranks; its rdp is our dp)
+_AXES = {"dp": "dp_tp", "rdp": "dp", "pp": "pp", "tp": "tp", "mp": "mp", "world": "world"}
+
+
+def _activate(strategy: SMPStrategy, topology: Topology, config: SMPConfig) -> None:
+    global _active
+    _active = _Run(strategy, topology, config)
+
+
+def _deactivate() -> None:
+    global _active
+    _active = None
+
+
+def _run(caller: str) -> _Run:
+    if _active is None:
+        raise RuntimeError(
+            f"smp.{caller}() needs a running SMPStrategy. Call it inside the LightningModule's hooks "
+            "(configure_model, configure_optimizers, training_step, ...) once Trainer.fit/validate/test/predict "
+            "has started, not at import time or in __init__ (build layers in `configure_model`)."
+        )
+    return _active
+
+
+# -- configuration -------------------------------------------------------------------------------------------
+
+
+class _State:
+    """smp's ``smp.state``: ``smp.state.cfg`` is the running config (``.fp16``, ``.microbatches``, ...)."""
+
+    @property
+    def cfg(self) -> SMPConfig:
+        return _run("state.cfg").config
+
+    @property
+    def initialized(self) -> bool:
+        return _active is not None
+
+
+state = _State()
+
+
+def init(config: Mapping[str, Any] | None = None) -> None:
+    """smp.init has no job under Lightning: the strategy initialises everything from its own config."""
+    raise RuntimeError(
+        "smp.init() is not needed with lightning_smp: pass the same parameters to the strategy instead, e.g. "
+        "Trainer(strategy=lightning_smp.SMPStrategy.from_smp_options(smp_options)) or "
+        "SMPStrategy(pipeline_parallel_degree=..., microbatches=...), and remove the smp.init() call."
+    )
+
+
+# -- ranks and groups ----------------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return _run("rank").topology.global_rank
+
+
+def size() -> int:
+    return _run("size").topology.world_size
+
+
+def local_rank() -> int:
+    return _run("local_rank").strategy.local_rank
+
+
+def local_size() -> int:
+    return _run("local_size").strategy.num_processes
+
+
+def _axis_rank(smp_axis: str) -> int:
+    return _run(f"{smp_axis}_rank").topology.rank(_AXES[smp_axis])
+
+
+def _axis_size(smp_axis: str) -> int:
+    return _run(f"{smp_axis}_size").topology.size(_AXES[smp_axis])
+
+
+def _axis_group(smp_axis: str) -> dist.ProcessGroup:
+    return _run(f"get_{smp_axis}_process_group").topology.group(_AXES[smp_axis])
+
+
+def _axis_barrier(smp_axis: str) -> None:
+    group = _run(f"{smp_axis}_barrier" if smp_axis != "world" else "barrier").topology.group(_AXES[smp_axis])
+    dist.barrier(group=group)
+
+
+def dp_rank() -> int:
+    return _axis_rank("dp")
+
+
+def dp_size() -> int:
+    return _axis_size("dp")
+
+
+def rdp_rank() -> int:
+    return _axis_rank("rdp")
+
+
+def rdp_size() -> int:
+    return _axis_size("rdp")
+
+
+def pp_rank() -> int:
+    return _axis_rank("pp")
+
+
+def pp_size() -> int:
+    return _axis_size("pp")
+
+
+def tp_rank() -> int:
+    return _axis_rank("tp")
+
+
+def tp_size() -> int:
+    return _axis_size("tp")
+
+
+def mp_rank() -> int:
+    return _axis_rank("mp")
+
+
+def mp_size() -> int:
+    return _axis_size("mp")
+
+
+def get_dp_process_group() -> dist.ProcessGroup:
+    return _axis_group("dp")
+
+
+def get_rdp_process_group() -> dist.ProcessGroup:
+    return _axis_group("rdp")
+
+
+def get_pp_process_group() -> dist.ProcessGroup:
+    return _axis_group("pp")
+
+
+def get_tp_process_group() -> dist.ProcessGroup:
+    return _axis_group("tp")
+
+
+def get_mp_process_group() -> dist.ProcessGroup:
+    return _axis_group("mp")
+
+
+def get_world_process_group() -> dist.ProcessGroup:
+    return _axis_group("world")
+
+
+def barrier() -> None:
+    _axis_barrier("world")
+
+
+def dp_barrier() -> None:
+    _axis_barrier("dp")
+
+
+def rdp_barrier() -> None:
+    _axis_barrier("rdp")
+
+
+def pp_barrier() -> None:
+    _axis_barrier("pp")
+
+
+def tp_barrier() -> None:
+    _axis_barrier("tp")
+
+
+def mp_barrier() -> None:
+    _axis_barrier("mp")
+
+
+# -- model creation ------------------------------------------------------------------------------------------
+
+_tensor_parallelism: contextvars.ContextVar[tuple[bool, dict[str, Any]]] = contextvars.ContextVar(
+    "smp_tensor_parallelism", default=(False, {})
+)
+
+
+@contextmanager
+def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Generator[None, None, None]:
+    """Modules created inside are distributed over the tensor-parallel ranks (the innermost context wins)."""
+    token = _tensor_parallelism.set((enabled, tp_config))
+    try:
+        yield
+    finally:
+        _tensor_parallelism.reset(token)
+
+
+@contextmanager
+def model_creation(
+    tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tp_config: Any
+) -> Generator[None, None, None]:
+    """smp's ``model_creation``: create parameters in ``dtype`` and, optionally, tensor-parallel."""
+    previous_dtype = torch.get_default_dtype()
+    token = _tensor_parallelism.set((tensor_parallelism, tp_config))
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous_dtype)
+        _tensor_parallelism.reset(token)
+
+
+# -- optimizer -----------------------------------------------------------------------------------------------
+
+
+def DistributedOptimizer(
+    optimizer: Optimizer,
+    static_loss_scale: float | None = 1.0,
+    dynamic_loss_scale: bool = False,
+    dynamic_loss_args: Mapping[str, Any] | None = None,
+) -> Optimizer:
+    """smp's optimizer wrapper, with smp's defaults (a static scale of 1.0 unless ``dynamic_loss_scale``).
+
+    With ``fp16`` or ``bf16`` set on the strategy it returns the `MasterWeightOptimizer` that the strategy would
+    otherwise build (``optimizer.optimizer`` is the inner one; Lightning does not wrap it again); in fp32 it
+    returns ``optimizer`` unchanged.
+    """
+    run = _run("DistributedOptimizer")
+    precision = run.strategy.precision_plugin
+    if getattr(precision, "dtype", None) is None:
+        return optimizer
+    return precision.wrap_optimizer(
+        optimizer,
+        dynamic_loss_scale=dynamic_loss_scale,
+        static_loss_scale=1.0 if static_loss_scale is None else static_loss_scale,
+        dynamic_loss_args=dict(dynamic_loss_args or {}),
+    )

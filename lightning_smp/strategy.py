@@ -1,0 +1,294 @@
+"""SMPStrategy: the Lightning strategy that runs an smp-configured job, and its registered names.
+
+It owns the run's lifecycle: turning constructor arguments into one `SMPConfig`, building the `Topology` once
+the process group exists, owning the precision plugin (Lightning would otherwise replace it, see
+reference/lightning-2.6.md), sampling data by data-parallel rank, all-reducing gradients over the data-parallel
+group, and activating the `smp` facade. It extends `DDPStrategy` because launching, process-group setup and
+bucketed, backward-overlapped gradient all-reduce are exactly DDP's; with one replica it skips the DDP wrapper.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.distributed import ReduceOp
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_smp import smp as smp_facade
+from lightning_smp import topology as topology_builder
+from lightning_smp.config import SMPConfig
+from lightning_smp.precision import SMPPrecision
+from lightning_smp.topology import Topology
+
+__all__ = ["SMPStrategy", "register_strategies"]
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
+
+_NOT_YET = {
+    "pipeline_parallel_degree": "pipeline parallelism",
+    "tensor_parallel_degree": "tensor parallelism",
+}
+
+
+class SMPStrategy(DDPStrategy):
+    """SageMaker-model-parallel-style training in Lightning: data parallelism with fp16/bf16 master weights.
+
+    Every smp v1 parameter is a keyword argument (see `SMPConfig` for each one's meaning); ``smp_options`` takes
+    SageMaker's ``smp_options`` dict as pasted. The ``SM_HP_MP_PARAMETERS`` environment variable, set by a
+    SageMaker job, overrides both, as in smp.
+
+    Example::
+
+        Trainer(devices=2, strategy="smp_fp16")
+        Trainer(strategy=SMPStrategy(fp16=True, dynamic_loss_args={"scale_window": 1000, "delayed_shift": 2}))
+        Trainer(strategy=SMPStrategy.from_smp_options({"enabled": True, "parameters": {"fp16": True}}))
+    """
+
+    strategy_name = "smp"
+
+    def __init__(
+        self,
+        *,
+        pipeline_parallel_degree: int = 1,
+        tensor_parallel_degree: int = 1,
+        microbatches: int = 1,
+        pipeline: str = "interleaved",
+        optimize: str = "speed",
+        placement_strategy: str = "cluster",
+        auto_partition: bool = True,
+        default_partition: int | None = None,
+        memory_weight: float = 0.8,
+        active_microbatches: int | None = None,
+        ddp: bool = False,
+        ddp_port: int | None = None,
+        ddp_dist_backend: str = "auto",
+        horovod: bool = False,
+        contiguous: bool = True,
+        deterministic_server: bool = False,
+        offload_activations: bool = False,
+        activation_loading_horizon: int = 4,
+        fp16: bool = False,
+        bf16: bool = False,
+        fp16_params: bool = False,
+        shard_optimizer_state: bool = False,
+        sharded_data_parallel_degree: int = 1,
+        sdp_reduce_bucket_size: int = 500_000_000,
+        sdp_param_persistence_threshold: int = 1_000_000,
+        sdp_max_live_parameters: int = 1_000_000_000,
+        sdp_hierarchical_allgather: bool = True,
+        sdp_gradient_clipping: float = 1.0,
+        prescaled_batch: bool = False,
+        delayed_parameter_initialization: bool = False,
+        skip_tracing: bool = False,
+        tensor_parallel_seed: int = 0,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = True,
+        dynamic_loss_args: dict[str, Any] | None = None,
+        pipeline_module: str | None = None,
+        partition: list[int] | None = None,
+        smp_options: dict[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = timedelta(minutes=10),
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        find_unused_parameters: bool = False,
+    ) -> None:
+        arguments = locals()
+        explicit = {name: arguments[name] for name in _DEFAULTS if arguments[name] != _DEFAULTS[name]}
+        self._config = SMPConfig.from_sources(explicit, smp_options=smp_options)
+        _refuse_not_yet_implemented(self._config)
+        for line in self._config.inactive_settings():
+            rank_zero_warn(line)
+        self._topology: Topology | None = None
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            find_unused_parameters=find_unused_parameters,
+        )
+
+    @classmethod
+    def from_smp_options(cls, smp_options: dict[str, Any], **kwargs: Any) -> SMPStrategy:
+        """Build from SageMaker's ``smp_options`` (``{"enabled": True, "parameters": {...}}``) as pasted."""
+        return cls(smp_options=smp_options, **kwargs)
+
+    @property
+    def config(self) -> SMPConfig:
+        return self._config
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("The topology exists once the strategy's `setup_environment` has run.")
+        return self._topology
+
+    # -- precision: the strategy owns it ---------------------------------------------------------------------
+
+    @property
+    @override
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self._precision_plugin = SMPPrecision(
+                self._config.half_dtype,
+                dynamic_loss_scale=self._config.dynamic_loss_scale,
+                static_loss_scale=self._config.static_loss_scale,
+                dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
+            )
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    @override
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        # Lightning hands every strategy its default fp32 `Precision()`; ours is chosen by the strategy's config.
+        if precision_plugin is None or type(precision_plugin) is Precision:
+            return
+        if not isinstance(precision_plugin, SMPPrecision):
+            requested = getattr(precision_plugin, "precision", type(precision_plugin).__name__)
+            raise MisconfigurationException(
+                f"SMPStrategy chooses the precision itself, but the Trainer was also given precision={requested!r}"
+                f" ({type(precision_plugin).__name__}). Remove `precision=` from the Trainer and pick the strategy"
+                " instead: strategy='smp_fp16' (fp16 parameters, fp32 master weights, loss scaling), 'smp_bf16' or"
+                " 'smp' (fp32), or SMPStrategy(fp16=True) / SMPStrategy(bf16=True)."
+            )
+        self._precision_plugin = precision_plugin
+
+    # -- environment and layout ------------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        config = self._config
+        self._topology = topology_builder.build(
+            dp=config.data_parallel_degree(self.world_size),
+            pp=config.pipeline_parallel_degree,
+            tp=config.tensor_parallel_degree,
+            order=config.placement_order,
+            device_type=self.root_device.type,
+        )
+        plugin = self.precision_plugin
+        if isinstance(plugin, SMPPrecision):
+            plugin.topology = self._topology
+        smp_facade._activate(self, self._topology, config)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Each data-parallel replica reads its own shard; tensor/pipeline ranks of one replica read the same.
+        topology = self.topology
+        return {"num_replicas": topology.size("dp"), "rank": topology.rank("dp")}
+
+    @override
+    def configure_ddp(self) -> None:
+        if self.topology.size("dp") == 1:
+            return  # one replica: there is nothing to all-reduce, so skip DDP's bucket copies
+        super().configure_ddp()
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
+        device_ids = self.determine_ddp_device_ids()
+        ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
+        with ctx:
+            return DistributedDataParallel(
+                module=model, device_ids=device_ids, process_group=self.topology.group("dp"), **self._ddp_kwargs
+            )
+
+    @override
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Reduce over the data-parallel replicas by default: tensor and pipeline ranks hold copies of the same
+        samples' values, so including them would count each sample several times."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        return _sync_ddp_if_available(tensor, group or self.topology.group("dp"), reduce_op=reduce_op)
+
+    # -- steps ----------------------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        self._log_loss_scale()
+        return output
+
+    def _log_loss_scale(self) -> None:
+        """Show the loss scale and the skipped-step count (device tensors: Lightning reads them when it logs)."""
+        plugin = self.precision_plugin
+        module = self.lightning_module
+        if not isinstance(plugin, SMPPrecision) or module is None:
+            return
+        scaled = [opt for opt in plugin.master_weight_optimizers if opt.scale_tensor is not None]
+        for index, optimizer in enumerate(scaled):
+            suffix = "" if len(scaled) == 1 else f"_{index}"
+            module.log(f"loss_scale{suffix}", optimizer.scale_tensor, prog_bar=True, on_step=True, on_epoch=False)
+            module.log(f"skipped_steps{suffix}", optimizer.skipped_steps, on_step=True, on_epoch=False)
+
+    # -- errors and teardown ---------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if "Expected to have finished reduction in the prior iteration" in str(exception):
+            exception.args = (
+                f"{exception.args[0] if exception.args else exception}\nHINT: some parameters of your "
+                "LightningModule were not used to produce the loss. If that is intended, pass "
+                "`SMPStrategy(find_unused_parameters=True)`.",
+                *exception.args[1:],
+            )
+
+    @override
+    def teardown(self) -> None:
+        smp_facade._deactivate()
+        super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        register_strategies(strategy_registry)
+
+
+def _refuse_not_yet_implemented(config: SMPConfig) -> None:
+    for name, feature in _NOT_YET.items():
+        value = getattr(config, name)
+        if value != 1:
+            raise ValueError(
+                f"{name}={value}: {feature} is not available yet in this version of lightning_smp. "
+                f"Set {name}=1 (data parallelism with fp16/bf16 master weights works today)."
+            )
+
+
+# name, description, init params
+_PRESETS: tuple[tuple[str, str, dict[str, Any]], ...] = (
+    ("smp", "smp-style data parallelism in fp32", {}),
+    ("smp_fp16", "smp-style fp16: fp16 params, fp32 master weights, dynamic loss scaling", {"fp16": True}),
+    ("smp_bf16", "smp-style bf16: bf16 params, fp32 master weights", {"bf16": True}),
+    ("smp_fork", "`smp` launched by forking (notebooks)", {"start_method": "fork"}),
+    ("smp_notebook", "`smp` launched by forking (notebooks)", {"start_method": "fork"}),
+    ("smp_fp16_fork", "`smp_fp16` launched by forking (notebooks)", {"fp16": True, "start_method": "fork"}),
+    ("smp_bf16_fork", "`smp_bf16` launched by forking (notebooks)", {"bf16": True, "start_method": "fork"}),
+)
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> None:
+    """Register the ``smp*`` strategy names with Lightning (done on ``import lightning_smp``)."""
+    for name, description, init_params in _PRESETS:
+        if name not in registry:
+            registry.register(name, SMPStrategy, description=description, **init_params)

@@ -1,0 +1,80 @@
+"""Tiny shared models and data for the tests: a fixed random regression set, an MLP, and a LightningModule.
+
+Small enough that a fit of a few dozen steps takes well under a second on two CPU cores, and generic: nothing
+here knows about smp, so any test (strategy, precision, checkpointing, ...) can build on it.
+"""
+
+from collections.abc import Callable, Iterable
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["TinyRegressor", "mlp", "random_dataset"]
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+def random_dataset(num_samples: int = 64, in_features: int = 8, out_features: int = 1, seed: int = 0) -> TensorDataset:
+    """``(x, y)`` with ``y`` a fixed random linear function of ``x`` plus a little noise: learnable, reproducible."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_samples, in_features, generator=generator)
+    weight = torch.randn(in_features, out_features, generator=generator) / in_features**0.5
+    y = x @ weight + 0.01 * torch.randn(num_samples, out_features, generator=generator)
+    return TensorDataset(x, y)
+
+
+def mlp(in_features: int = 8, hidden: int = 16, out_features: int = 1) -> nn.Sequential:
+    """A two-layer MLP, created in the current default dtype."""
+    return nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh(), nn.Linear(hidden, out_features))
+
+
+class TinyRegressor(pl.LightningModule):
+    """An MLP regressor on `random_dataset` with MSE loss; ``losses`` records every training-step loss.
+
+    Args:
+        optimizer: builds the optimizer from the parameters; default ``SGD(lr=0.05)``.
+        num_samples, batch_size: the size of the training (and validation) set and of its batches.
+    """
+
+    def __init__(
+        self,
+        in_features: int = 8,
+        hidden: int = 16,
+        out_features: int = 1,
+        *,
+        optimizer: OptimizerFactory | None = None,
+        num_samples: int = 64,
+        batch_size: int = 8,
+    ) -> None:
+        super().__init__()
+        self.net = mlp(in_features, hidden, out_features)
+        self._optimizer_factory = optimizer or (lambda params: torch.optim.SGD(params, lr=0.05))
+        self._dataset = random_dataset(num_samples, in_features, out_features)
+        self._batch_size = batch_size
+        self.losses: list[float] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.mse_loss(self(x), y)
+        self.losses.append(loss.item())  # sync: fine for tests
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self) -> Optimizer:
+        return self._optimizer_factory(self.parameters())
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self._dataset, batch_size=self._batch_size)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._dataset, batch_size=self._batch_size)

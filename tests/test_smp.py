@@ -1,0 +1,249 @@
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from lightning_smp import smp
+from tests.distributed import run_distributed
+from tests.models import TinyRegressor, mlp, random_dataset
+
+_AXIS_HELPERS = tuple(f"{axis}_{what}" for axis in ("dp", "rdp", "pp", "tp", "mp") for what in ("rank", "size"))
+_RANK_HELPERS = ("rank", "size", "local_rank", "local_size", *_AXIS_HELPERS)
+_GROUP_GETTERS = tuple(f"get_{axis}_process_group" for axis in ("dp", "rdp", "pp", "tp", "mp", "world"))
+_BARRIERS = ("barrier", "dp_barrier", "rdp_barrier", "pp_barrier", "tp_barrier", "mp_barrier")
+
+
+def _trainer(strategy: str = "smp", devices: int = 1, **kwargs) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
+def _facade_answers() -> dict:
+    """Everything the facade says about this rank, as plain values."""
+    answers = {name: getattr(smp, name)() for name in _RANK_HELPERS}
+    answers["group_sizes"] = {name: dist.get_world_size(getattr(smp, name)()) for name in _GROUP_GETTERS}
+    for name in _BARRIERS:
+        getattr(smp, name)()
+    answers["fp16"] = smp.state.cfg.fp16
+    answers["bf16"] = smp.state.cfg.bf16
+    answers["initialized"] = smp.state.initialized
+    return answers
+
+
+class _FacadeProbe(TinyRegressor):
+    """Asks the facade from inside the hooks the smp docs name: configure_model and training_step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_configure_model: dict | None = None
+        self.in_training_step: dict | None = None
+
+    def configure_model(self) -> None:
+        self.in_configure_model = _facade_answers()
+
+    def training_step(self, batch, batch_idx):
+        self.in_training_step = _facade_answers()
+        return super().training_step(batch, batch_idx)
+
+
+# ---------------------------------------------------------------- outside a run
+
+
+@pytest.mark.parametrize(
+    "call",
+    [smp.tp_size, smp.rank, smp.dp_rank, smp.get_dp_process_group, smp.barrier, lambda: smp.state.cfg],
+    ids=["tp_size", "rank", "dp_rank", "get_dp_process_group", "barrier", "state.cfg"],
+)
+def test_facade_outside_a_run_says_where_to_call_it(call):
+    assert not smp.state.initialized
+    with pytest.raises(RuntimeError, match=r"inside the LightningModule's hooks \(configure_model"):
+        call()
+
+
+def test_distributed_optimizer_outside_a_run_raises():
+    optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match=r"smp\.DistributedOptimizer\(\) needs a running SMPStrategy.*configure_"):
+        smp.DistributedOptimizer(optimizer)
+
+
+def test_init_points_to_the_strategy():
+    with pytest.raises(RuntimeError, match=r"SMPStrategy\.from_smp_options"):
+        smp.init({"pipeline_parallel_degree": 1})
+
+
+# ---------------------------------------------------------------- one process
+
+
+@pytest.mark.parametrize(
+    ("strategy", "fp16", "bf16"), [("smp", False, False), ("smp_fp16", True, False), ("smp_bf16", False, True)]
+)
+def test_facade_inside_a_one_process_run(strategy, fp16, bf16):
+    model = _FacadeProbe()
+    _trainer(strategy, max_steps=1).fit(model)
+
+    expected_ranks = {name: (1 if name.endswith("size") else 0) for name in _RANK_HELPERS}
+    for answers in (model.in_configure_model, model.in_training_step):
+        assert answers is not None
+        assert {name: answers[name] for name in _RANK_HELPERS} == expected_ranks
+        assert answers["group_sizes"] == dict.fromkeys(_GROUP_GETTERS, 1)
+        assert (answers["fp16"], answers["bf16"]) == (fp16, bf16)
+        assert answers["initialized"]
+
+    # teardown deactivated the facade again
+    assert not smp.state.initialized
+    with pytest.raises(RuntimeError, match="needs a running SMPStrategy"):
+        smp.tp_size()
+
+
+class _Failing(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        raise ValueError("boom")
+
+
+def test_facade_is_deactivated_when_fit_raises():
+    with pytest.raises(ValueError, match="boom"):
+        _trainer(max_steps=1).fit(_Failing())
+    assert not smp.state.initialized
+    with pytest.raises(RuntimeError, match="needs a running SMPStrategy"):
+        smp.state.cfg  # noqa: B018
+
+
+# ---------------------------------------------------------------- the seed's code, one import changed
+
+
+class _SeedModule(pl.LightningModule):
+    """The seed's LightningModule: layers built by smp.model_creation, optimizer by smp.DistributedOptimizer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = None
+        self.dataset = random_dataset(num_samples=128)
+        self.returned_optimizer = None
+        self.dataset_loss: list[float] = []  # whole-dataset loss at the start and the end of fit
+        self.epoch_lrs: list[float] = []
+
+    # -- the seed's snippet, verbatim but for the import
+    def configure_model(self):
+        if self.net is not None:
+            return
+        with smp.model_creation(
+            dtype=torch.float16 if smp.state.cfg.fp16 else torch.get_default_dtype(),
+            tensor_parallelism=smp.tp_size() > 1,
+        ):
+            self.net = mlp(8, 32, 1)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adadelta(self.parameters(), lr=1.0)
+        optimizer = smp.DistributedOptimizer(
+            optimizer,
+            static_loss_scale=None,
+            dynamic_loss_scale=True,
+            dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2},
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(
+            optimizer.optimizer if smp.state.cfg.fp16 else optimizer, step_size=1, gamma=0.7
+        )
+        self.returned_optimizer = optimizer
+        return [optimizer], [scheduler]
+
+    # -- the rest is an ordinary LightningModule
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.mse_loss(self.net(x), y)
+
+    def train_dataloader(self):
+        return DataLoader(self.dataset, batch_size=8)
+
+    def on_train_start(self):
+        self.dataset_loss.append(self._whole_dataset_loss())
+
+    def on_train_epoch_start(self):
+        self.epoch_lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def on_train_end(self):
+        self.dataset_loss.append(self._whole_dataset_loss())
+
+    @torch.no_grad()
+    def _whole_dataset_loss(self) -> float:
+        x, y = self.dataset.tensors
+        dtype = next(self.net.parameters()).dtype
+        return F.mse_loss(self.net(x.to(dtype)).float(), y).item()
+
+
+@pytest.mark.parametrize(
+    ("strategy", "param_dtype"), [("smp_fp16", torch.float16), ("smp", torch.float32), ("smp_bf16", torch.bfloat16)]
+)
+def test_seed_snippet_trains(strategy, param_dtype):
+    torch.manual_seed(0)
+    model = _SeedModule()
+    trainer = _trainer(strategy, max_epochs=3)
+    trainer.fit(model)
+
+    assert trainer.global_step == 3 * 16
+    # Lightning kept the optimizer smp.DistributedOptimizer returned: not wrapped a second time
+    assert trainer.strategy.optimizers[0] is model.returned_optimizer
+    assert all(param.dtype == param_dtype for param in model.net.parameters())
+    # the epoch-level StepLR decays the LR by 0.7 each epoch
+    assert model.epoch_lrs == pytest.approx([1.0, 0.7, 0.49])
+    assert model.dataset_loss[1] < 0.8 * model.dataset_loss[0]
+
+    if param_dtype == torch.float16:
+        scaler_state = model.returned_optimizer.state_dict()["loss_scaler"]
+        assert scaler_state["delayed_shift"] == 2
+        assert scaler_state["scale_window"] == 1000
+        assert scaler_state["min_scale"] == 1
+        # The initial 2**32 overflows the fp16 grads, so steps 0..k overflow in a row (and are skipped) until the
+        # scale fits. With delayed_shift=2 the first overflow only uses up the hysteresis; each later one halves.
+        overflows = scaler_state["last_overflow_iter"] + 1
+        assert 1 < overflows < 3 * 16
+        assert model.returned_optimizer.state_dict()["skipped_steps"] == overflows
+        assert scaler_state["cur_scale"] == 2.0 ** (32 - (overflows - 1))
+        assert scaler_state["cur_hysteresis"] == 1
+    elif param_dtype == torch.bfloat16:
+        assert model.returned_optimizer.state_dict()["loss_scaler"] is None  # bf16: master weights, no scaling
+
+
+# ---------------------------------------------------------------- two processes
+
+
+def _two_rank_facade(rank: int) -> dict:
+    model = _FacadeProbe()
+    _trainer("smp", devices=2, max_steps=2).fit(model)
+    answers = model.in_training_step
+    answers["initialized_after_fit"] = smp.state.initialized
+    return answers
+
+
+@pytest.mark.timeout(120)
+def test_facade_in_a_two_process_run():
+    results = run_distributed(_two_rank_facade, 2, timeout=100)
+
+    for rank, answers in enumerate(results):
+        assert answers["rank"] == rank
+        assert answers["size"] == 2
+        assert (answers["local_rank"], answers["local_size"]) == (rank, 2)
+        assert (answers["dp_rank"], answers["dp_size"]) == (rank, 2)
+        assert (answers["rdp_rank"], answers["rdp_size"]) == (rank, 2)
+        assert (answers["pp_rank"], answers["pp_size"]) == (0, 1)
+        assert (answers["tp_rank"], answers["tp_size"]) == (0, 1)
+        assert (answers["mp_rank"], answers["mp_size"]) == (0, 1)
+        assert answers["group_sizes"] == {
+            "get_dp_process_group": 2,
+            "get_rdp_process_group": 2,
+            "get_pp_process_group": 1,
+            "get_tp_process_group": 1,
+            "get_mp_process_group": 1,
+            "get_world_process_group": 2,
+        }
+        assert not answers["fp16"]
+        assert not answers["initialized_after_fit"]
