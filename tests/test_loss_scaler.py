@@ -273,6 +273,7 @@ def test_growth_that_would_overflow_float32_is_skipped():
     assert _run(scaler, "..x.") == [2.0**127, 2.0**127, 2.0**126, 2.0**127]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_update_does_not_synchronise_on_cuda():
     scaler = DynamicLossScaler(**SEED_DYNAMIC_LOSS_ARGS, device="cuda")

@@ -577,3 +577,27 @@ def test_last_step_skipped_follows_the_last_step() -> None:
         outcomes.append(wrapper.last_step_skipped())
     assert outcomes == [False, True, True, False]
     assert wrapper.skipped_steps.item() == 2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_the_fused_cuda_step_never_waits_for_the_host() -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda().half()
+    wrapper = MasterWeightOptimizer(
+        AdamW(model.parameters(), lr=1e-3, fused=True), loss_scaler=DynamicLossScaler(init_scale=2.0**40)
+    )
+    x = torch.randn(32, 64, device="cuda", dtype=torch.float16)
+    before = model[0].weight.detach().clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(4):  # 2**40 overflows fp16 at first: skipped and clean steps both run
+            (model(x).float().pow(2).mean() * wrapper.scale_tensor).backward()
+            wrapper.note_backward()
+            wrapper.clip_master_grads(1.0)
+            wrapper.step()
+            wrapper.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert 1 <= wrapper.skipped_steps.item() < 4
+    assert not torch.equal(model[0].weight, before)  # the clean steps updated the fp16 weights

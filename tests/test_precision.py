@@ -276,3 +276,20 @@ def test_checkpoint_resume_continues_bit_identically(tmp_path):
     assert got.loss_scaler.state_dict() == expected.loss_scaler.state_dict()
     assert got.skipped_steps.item() == expected.skipped_steps.item() > 0
     assert got.param_groups[0]["lr"] == expected.param_groups[0]["lr"]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp16_fit_on_cuda_matches_the_cpu_run():
+    def run(accelerator):
+        torch.manual_seed(0)
+        model = _NoisyRegressor(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True))
+        trainer = _trainer(_fp16(dynamic_loss_args={"init_scale": 2.0**20}), accelerator=accelerator, max_epochs=3)
+        trainer.fit(model)
+        optimizer = trainer.strategy.optimizers[0]
+        return model.losses, optimizer.skipped_steps.item(), optimizer.loss_scale
+
+    cpu_losses, cpu_skipped, cpu_scale = run("cpu")
+    gpu_losses, gpu_skipped, gpu_scale = run("gpu")
+    assert (gpu_skipped, gpu_scale) == (cpu_skipped, cpu_scale)
+    assert gpu_losses == pytest.approx(cpu_losses, rel=2e-2)

@@ -1,0 +1,206 @@
+"""SMPStrategy: its names and arguments, and data parallelism checked against the single-process run."""
+
+import math
+import os
+import subprocess
+import sys
+import textwrap
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_smp import SMPStrategy
+from tests.distributed import run_distributed
+from tests.models import TinyRegressor
+
+STEPS = 12
+PER_RANK_BATCH = 8
+
+# -- construction ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params"),
+    [
+        ("smp", {}),
+        ("smp_fp16", {"fp16": True}),
+        ("smp_bf16", {"bf16": True}),
+        ("smp_fork", {"start_method": "fork"}),
+        ("smp_notebook", {"start_method": "fork"}),
+        ("smp_fp16_fork", {"fp16": True, "start_method": "fork"}),
+        ("smp_bf16_fork", {"bf16": True, "start_method": "fork"}),
+    ],
+)
+def test_names_are_registered_on_import(name, params):
+    assert StrategyRegistry[name]["strategy"] is SMPStrategy
+    assert StrategyRegistry[name]["init_params"] == params
+
+
+def test_from_smp_options_takes_the_sagemaker_dict_as_pasted():
+    strategy = SMPStrategy.from_smp_options(
+        {"enabled": True, "parameters": {"microbatches": 4, "fp16": True, "placement_strategy": "spread"}}
+    )
+    assert strategy.config.fp16 and strategy.config.microbatches == 4
+    assert strategy.config.placement_order == "TPD"
+    assert strategy.precision_plugin.dtype == torch.float16
+
+
+def test_keyword_arguments_and_smp_options_must_agree():
+    with pytest.raises(ValueError, match="microbatches is given twice"):
+        SMPStrategy(microbatches=2, smp_options={"parameters": {"microbatches": 4}})
+
+
+def test_the_sagemaker_environment_variable_overrides_the_script(monkeypatch):
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"microbatches": 8}')
+    with pytest.warns(UserWarning, match="SM_HP_MP_PARAMETERS sets microbatches=8"):
+        strategy = SMPStrategy(microbatches=2)
+    assert strategy.config.microbatches == 8
+
+
+@pytest.mark.parametrize("name", ["pipeline_parallel_degree", "tensor_parallel_degree"])
+def test_model_parallel_degrees_are_refused_until_they_exist(name):
+    with pytest.raises(ValueError, match=f"{name}=2: .* not available yet.*Set {name}=1"):
+        SMPStrategy(**{name: 2})
+
+
+def test_settings_without_effect_say_so():
+    with pytest.warns(UserWarning, match="offload_activations=True has no effect"):
+        SMPStrategy(offload_activations=True)
+
+
+def test_unknown_smp_keys_suggest_the_nearest():
+    with pytest.raises(ValueError, match="did you mean 'microbatches'"):
+        SMPStrategy.from_smp_options({"parameters": {"microbatch": 4}})
+
+
+# -- data parallelism against one process ------------------------------------------------------------------------
+
+
+class _Record(Callback):
+    def __init__(self, inject_at=None):
+        self.inject_at = inject_at
+        self.weights = []
+
+    def on_after_backward(self, trainer, pl_module):
+        # After DDP's all-reduce: only this rank sees the inf, so only the job-wide overflow vote can skip the step.
+        if trainer.global_step == self.inject_at:
+            next(pl_module.parameters()).grad.view(-1)[0] = math.inf
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.weights.append(torch.cat([p.detach().float().flatten() for p in pl_module.parameters()]))
+
+
+class _Logged(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("rank_value", float(self.global_rank), sync_dist=True, on_step=True)
+        return loss
+
+
+def _fit(rank, strategy_kwargs, batch_size, inject_rank=None):
+    """One rank of a data-parallel fit; returns what the parent compares."""
+    torch.manual_seed(0)
+    world_size = int(os.environ["WORLD_SIZE"])
+    model = _Logged(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=256, batch_size=batch_size)
+    recorder = _Record(inject_at=3 if rank == inject_rank else None)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=SMPStrategy(**strategy_kwargs),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder],
+    )
+    trainer.fit(model)
+    optimizers = trainer.strategy.optimizers
+    return {
+        "losses": model.losses,
+        "weights": recorder.weights,
+        "sampler": trainer.strategy.distributed_sampler_kwargs,
+        "rank_value": trainer.callback_metrics["rank_value"].item(),
+        "skipped": optimizers[0].skipped_steps.item() if hasattr(optimizers[0], "skipped_steps") else None,
+        "scale": optimizers[0].loss_scale if hasattr(optimizers[0], "loss_scale") else None,
+    }
+
+
+def _reference(strategy_kwargs):
+    (single,) = run_distributed(_fit, 1, strategy_kwargs, 2 * PER_RANK_BATCH, timeout=100)
+    return single
+
+
+def _data_parallel(strategy_kwargs, inject_rank=None):
+    return run_distributed(_fit, 2, strategy_kwargs, PER_RANK_BATCH, inject_rank, timeout=100)
+
+
+@pytest.mark.timeout(240)
+def test_dp2_fp32_matches_one_process_on_the_global_batch():
+    single = _reference({})
+    ranks = _data_parallel({})
+    assert [r["sampler"] for r in ranks] == [{"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}]
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    assert len(mean_losses) == STEPS >= 10
+    assert mean_losses == pytest.approx(single["losses"], rel=1e-5)
+    for step in range(STEPS):
+        torch.testing.assert_close(ranks[0]["weights"][step], single["weights"][step], rtol=1e-5, atol=1e-6)
+        assert torch.equal(ranks[0]["weights"][step], ranks[1]["weights"][step])  # replicas stay identical
+    assert ranks[0]["rank_value"] == ranks[1]["rank_value"] == 0.5  # sync_dist means over the replicas
+
+
+@pytest.mark.timeout(240)
+def test_dp2_fp16_matches_one_process_with_the_same_skipped_steps():
+    fp16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**20}}
+    single = _reference(fp16)
+    ranks = _data_parallel(fp16)
+    assert single["skipped"] == ranks[0]["skipped"] == ranks[1]["skipped"]
+    assert single["scale"] == ranks[0]["scale"] == ranks[1]["scale"]
+    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
+    assert mean_losses == pytest.approx(single["losses"], rel=2e-2)
+
+
+@pytest.mark.timeout(240)
+def test_an_overflow_on_one_rank_is_skipped_on_every_rank():
+    fp16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**8}}
+    ranks = _data_parallel(fp16, inject_rank=1)
+    for result in ranks:
+        assert result["skipped"] == 1
+        assert result["scale"] == 2.0**7
+        assert torch.equal(result["weights"][3], result["weights"][2])  # the step with the inf did nothing
+        assert not torch.equal(result["weights"][4], result["weights"][3])
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True))
+
+
+# -- launching ---------------------------------------------------------------------------------------------------
+
+_FORK_SCRIPT = textwrap.dedent(
+    """
+    import torch, lightning.pytorch as pl
+    import lightning_smp
+    from tests.models import TinyRegressor
+
+    torch.set_num_threads(1)
+    model = TinyRegressor()
+    before = model.net[0].weight.detach().clone()
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="smp_fp16_fork", max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model)
+    # the fork launcher hands rank 0's trained weights back to this process
+    print("world_size", trainer.world_size, "trained", not torch.equal(before, model.net[0].weight.float()))
+    """
+)
+
+
+@pytest.mark.timeout(150)
+def test_the_fork_launched_name_trains_on_two_processes():
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": "."}
+    result = subprocess.run(
+        [sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=140, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "world_size 2 trained True" in result.stdout
+    assert "`max_steps=3` reached" in result.stderr
