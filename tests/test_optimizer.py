@@ -16,7 +16,7 @@ from torch.optim import SGD, Adadelta, AdamW, Optimizer
 from torch.optim.lr_scheduler import StepLR
 
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.optimizer import MasterWeightOptimizer, mark_norm_duplicate
 
 SCALE = 2.0**10
 OptimizerFactory = Callable[[Iterator[Tensor] | list[Tensor]], Optimizer]
@@ -601,3 +601,13 @@ def test_the_fused_cuda_step_never_waits_for_the_host() -> None:
         torch.cuda.set_sync_debug_mode("default")
     assert 1 <= wrapper.skipped_steps.item() < 4
     assert not torch.equal(model[0].weight, before)  # the clean steps updated the fp16 weights
+
+
+def test_params_marked_as_norm_duplicates_count_once() -> None:
+    model = _model()
+    mark_norm_duplicate(model[2].weight)  # as if another rank held the same values
+    wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(1.0))
+    _backward(model, wrapper, 0)
+    counted = [p.grad.float() for p in (model[0].weight, model[0].bias, model[2].bias)]
+    expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in counted]))
+    torch.testing.assert_close(wrapper.clip_master_grads(1e9), expected)
