@@ -75,8 +75,9 @@ class LossScaler(ABC):
 class StaticLossScaler(LossScaler):
     """A fixed loss scale (smp's ``static_loss_scale``, default 1.0).
 
-    smp's static ``LossScaler.has_overflow`` always returns False, so under a static scale smp never reports
-    an overflow and never skips a step. ``update`` accepts the flag for a uniform interface and ignores it.
+    The scale never changes: ``update`` accepts the overflow flag for a uniform interface and ignores it.
+    (smp's static ``LossScaler.has_overflow`` always returned False, so smp applied inf/NaN gradients to the
+    weights; `MasterWeightOptimizer` still checks and skips such a step, which only ever saves a run.)
     """
 
     dynamic: ClassVar[bool] = False

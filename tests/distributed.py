@@ -54,9 +54,7 @@ def run_distributed(
         for rank in range(world_size):
             rank_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             # Not daemonic, so that a rank may start DataLoader workers; the finally below ends every rank.
-            process = ctx.Process(
-                target=_child, args=(target, rank, args, rank_env, results_queue), name=f"rank{rank}"
-            )
+            process = ctx.Process(target=_child, args=(target, rank, args, rank_env, results_queue), name=f"rank{rank}")
             process.start()
             processes.append(process)
         results = _collect(processes, results_queue, timeout)
@@ -81,9 +79,7 @@ def init_gloo() -> None:
     dist.init_process_group("gloo")
 
 
-def _child(
-    target: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], results_queue: Any
-) -> None:
+def _child(target: Callable[..., Any], rank: int, args: tuple, env: dict[str, str], results_queue: Any) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     try:

@@ -215,10 +215,7 @@ def test_partition_list_becomes_a_tuple():
 
 
 def test_manual_partitioning_accepts_default_partition():
-    assert (
-        SMPConfig(pipeline_parallel_degree=2, auto_partition=False, default_partition=1).default_partition
-        == 1
-    )
+    assert SMPConfig(pipeline_parallel_degree=2, auto_partition=False, default_partition=1).default_partition == 1
 
 
 def test_pipeline_module_accepts_numbered_children():
@@ -342,9 +339,7 @@ def test_partitions_is_an_alias_of_pipeline_parallel_degree():
 
 
 def test_partitions_and_pipeline_parallel_degree_must_agree():
-    with pytest.raises(
-        ValueError, match=r"gives both partitions=2 and pipeline_parallel_degree=4; .*keep only one"
-    ):
+    with pytest.raises(ValueError, match=r"gives both partitions=2 and pipeline_parallel_degree=4; .*keep only one"):
         SMPConfig.from_smp_options({"partitions": 2, "pipeline_parallel_degree": 4})
 
 
@@ -370,13 +365,9 @@ def test_malformed_smp_options(options, match):
 
 
 def test_unknown_smp_parameter_suggests_the_nearest_name():
-    with pytest.raises(
-        ValueError, match=r"^unknown smp parameter 'microbatch'; did you mean 'microbatches'\?$"
-    ):
+    with pytest.raises(ValueError, match=r"^unknown smp parameter 'microbatch'; did you mean 'microbatches'\?$"):
         SMPConfig.from_smp_options({"enabled": True, "parameters": {"microbatch": 4}})
-    with pytest.raises(
-        ValueError, match=r"'partition' in smp_options is a lightning_smp setting.*'partitions'\?"
-    ):
+    with pytest.raises(ValueError, match=r"'partition' in smp_options is a lightning_smp setting.*'partitions'\?"):
         SMPConfig.from_smp_options({"partition": 2})
 
 
@@ -422,9 +413,7 @@ def test_from_sources_rejects_conflicting_options_and_kwargs():
 
 def test_from_sources_kwargs_accept_the_alias_and_suggest_names():
     assert SMPConfig.from_sources({"partitions": 2}, environ={}).pipeline_parallel_degree == 2
-    with pytest.raises(
-        ValueError, match=r"unknown lightning_smp setting 'pipline'; did you mean 'pipeline'\?"
-    ):
+    with pytest.raises(ValueError, match=r"unknown lightning_smp setting 'pipline'; did you mean 'pipeline'\?"):
         SMPConfig.from_sources({"pipline": "simple"}, environ={})
 
 
@@ -476,17 +465,14 @@ def test_inactive_settings_lists_only_changed_ones():
         "(data parallel degree = world size / (pp * tp))",
         "ddp_dist_backend='nccl' has no effect in lightning_smp yet: Lightning picks the backend: "
         "NCCL on GPU, gloo on CPU",
-        "offload_activations=True has no effect in lightning_smp yet: "
-        "activation offloading is not implemented",
+        "offload_activations=True has no effect in lightning_smp yet: activation offloading is not implemented",
     ]
 
 
 def test_inactive_table_names_smp_fields_only():
     smp_fields = {field.name for field in dataclasses.fields(SMPConfig)} - _OWN_FIELDS
     assert set(_INACTIVE_SETTINGS) <= smp_fields
-    assert {"fp16", "pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"}.isdisjoint(
-        _INACTIVE_SETTINGS
-    )
+    assert {"fp16", "pipeline_parallel_degree", "tensor_parallel_degree", "microbatches"}.isdisjoint(_INACTIVE_SETTINGS)
 
 
 def test_as_smp_parameters_round_trips():

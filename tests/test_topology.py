@@ -203,9 +203,7 @@ LAYOUTS_4 = [
 
 def _four_ranks(rank, layouts):
     init_gloo()
-    with pytest.raises(
-        ValueError, match=r"dp=2 x pp=2 x tp=2 = 8, but the job has world_size=4. .* launch 8"
-    ):
+    with pytest.raises(ValueError, match=r"dp=2 x pp=2 x tp=2 = 8, but the job has world_size=4. .* launch 8"):
         build(dp=2, pp=2, tp=2, order="cluster", device_type="cpu")
     observed = {}
     for layout in layouts:
