@@ -9,6 +9,7 @@ of true model replicas (our data-parallel degree), ``mp`` is pp × tp.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
@@ -18,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
+
+from lightning_smp.pipeline import partition as _placement
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -43,6 +46,7 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
+    "partition",
     "pp_barrier",
     "pp_rank",
     "pp_size",
@@ -50,6 +54,7 @@ __all__ = [
     "rdp_barrier",
     "rdp_rank",
     "rdp_size",
+    "set_partition",
     "size",
     "state",
     "tensor_parallelism",
@@ -274,6 +279,20 @@ def model_creation(
     finally:
         torch.set_default_dtype(previous_dtype)
         _tensor_parallelism.reset(token)
+
+
+# -- pipeline placement ----------------------------------------------------------------------------------------
+
+
+def partition(index: int) -> contextlib.AbstractContextManager[None]:
+    """smp's ``with smp.partition(i):``: modules created inside run on pipeline stage ``i`` (read when
+    ``auto_partition=False``). Works before the run starts, e.g. in ``__init__``."""
+    return _placement.partition(index)
+
+
+def set_partition(module: torch.nn.Module, index: int) -> None:
+    """smp's ``smp.set_partition(module, i)``: run ``module`` (a child of the pipelined trunk) on stage ``i``."""
+    _placement.set_partition(module, index)
 
 
 # -- optimizer -----------------------------------------------------------------------------------------------

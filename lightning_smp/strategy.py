@@ -10,12 +10,14 @@ bucketed, backward-overlapped gradient all-reduce are exactly DDP's; with one re
 from __future__ import annotations
 
 import dataclasses
-from contextlib import nullcontext
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.plugins.precision import Precision
@@ -30,6 +32,8 @@ from typing_extensions import override
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
 from lightning_smp.config import SMPConfig
+from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.pipeline import PipelineEngine, build_engine
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.topology import Topology
 
@@ -38,7 +42,6 @@ __all__ = ["SMPStrategy", "register_strategies"]
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
 
 _NOT_YET = {
-    "pipeline_parallel_degree": "pipeline parallelism",
     "tensor_parallel_degree": "tensor parallelism",
 }
 
@@ -117,6 +120,8 @@ class SMPStrategy(DDPStrategy):
         for line in self._config.inactive_settings():
             rank_zero_warn(line)
         self._topology: Topology | None = None
+        self._pipeline: PipelineEngine | None = None
+        self._grad_sync_blocked = False
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -143,6 +148,12 @@ class SMPStrategy(DDPStrategy):
         if self._topology is None:
             raise RuntimeError("The topology exists once the strategy's `setup_environment` has run.")
         return self._topology
+
+    @property
+    def pipeline(self) -> PipelineEngine | None:
+        """This rank's pipeline engine (its partition ``plan``, ``owned_parameter_names()``); None without
+        pipeline parallelism or before ``setup``."""
+        return self._pipeline
 
     # -- precision: the strategy owns it ---------------------------------------------------------------------
 
@@ -201,6 +212,8 @@ class SMPStrategy(DDPStrategy):
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group and keep this rank's pipeline stage."""
+        if self._config.pipeline_parallel_degree > 1:
+            self._pipeline = build_engine(model, topology=self.topology, config=self._config)
         return model
 
     @property
@@ -214,6 +227,8 @@ class SMPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         if self.topology.size("dp") == 1:
             return  # one replica: there is nothing to all-reduce, so skip DDP's bucket copies
+        if self._pipeline is not None:
+            return  # several backward passes per step: the pipeline engine all-reduces once, after the schedule
         super().configure_ddp()
 
     @override
@@ -233,13 +248,96 @@ class SMPStrategy(DDPStrategy):
             return tensor
         return _sync_ddp_if_available(tensor, group or self.topology.group("dp"), reduce_op=reduce_op)
 
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        # Every rank votes (ModelCheckpoint asks for all=True): `reduce` alone would count data-parallel replicas.
+        votes = self.reduce(
+            torch.tensor(int(decision), device=self.root_device), group=dist.group.WORLD, reduce_op="sum"
+        )
+        return bool(votes == self.world_size) if all else bool(votes)
+
     # -- steps ----------------------------------------------------------------------------------------------
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
+        if self._pipeline is None:
+            output = super().training_step(*args, **kwargs)
+        else:
+            output = self._pipeline.training_step(
+                args,
+                kwargs,
+                step=self._step_function("training_step"),
+                loss_scale=self._loss_scale_tensor(),
+                grad_divisor=self.lightning_module.trainer.accumulate_grad_batches,
+            )
         self._log_loss_scale()
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().validation_step(*args, **kwargs)
+        return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step"))
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().test_step(*args, **kwargs)
+        return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step"))
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._pipeline is None:
+            return super().predict_step(*args, **kwargs)
+        return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step"))
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if self._pipeline is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule ran every microbatch's backward inside training_step (as DeepSpeed's engine does); the
+        # gradients it kept aside join `.grad` here, after Lightning's zero_grad, and are all-reduced.
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        self._pipeline.finish_backward(sync=not self._grad_sync_blocked)
+        for optimizer_ in self.optimizers:
+            if isinstance(optimizer_, MasterWeightOptimizer):
+                optimizer_.note_backward()
+        return self.precision_plugin.post_backward(closure_loss, module)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        if self._pipeline is None:
+            with super().block_backward_sync():
+                yield
+            return
+        self._grad_sync_blocked = True  # accumulating: the pipeline engine all-reduces at the last micro-step
+        try:
+            yield
+        finally:
+            self._grad_sync_blocked = False
+
+    def _step_function(self, name: str) -> Any:
+        """The LightningModule's ``name`` step under the precision plugin's context, for one microbatch."""
+        module, plugin = self.lightning_module, self.precision_plugin
+        context = {
+            "training_step": plugin.train_step_context,
+            "validation_step": plugin.val_step_context,
+            "test_step": plugin.test_step_context,
+            "predict_step": plugin.predict_step_context,
+        }[name]
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            with context():
+                return getattr(module, name)(*args, **kwargs)
+
+        return step
+
+    def _loss_scale_tensor(self) -> Tensor | None:
+        """The fp16 loss scale the pipelined backward multiplies the loss by, as the precision plugin would."""
+        optimizer = self.optimizers[0] if self.optimizers else None
+        return optimizer.scale_tensor if isinstance(optimizer, MasterWeightOptimizer) else None
 
     def _log_loss_scale(self) -> None:
         """Show the loss scale and the skipped-step count (device tensors: Lightning reads them when it logs)."""

@@ -60,7 +60,7 @@ def test_the_sagemaker_environment_variable_overrides_the_script(monkeypatch):
     assert strategy.config.microbatches == 8
 
 
-@pytest.mark.parametrize("name", ["pipeline_parallel_degree", "tensor_parallel_degree"])
+@pytest.mark.parametrize("name", ["tensor_parallel_degree"])
 def test_model_parallel_degrees_are_refused_until_they_exist(name):
     with pytest.raises(ValueError, match=f"{name}=2: .* not available yet.*Set {name}=1"):
         SMPStrategy(**{name: 2})

@@ -1,0 +1,486 @@
+"""The pipeline engine: one step's schedule on this rank, running the user's step function per microbatch.
+
+Why our own driver rather than ``torch.distributed.pipelining``: smp's contract runs the user's whole
+``training_step`` per microbatch on every rank (the code before the trunk, ``self.log``, the loss) and cuts it at
+trunk-child boundaries while it runs; torch's ``PipelineStage`` runs one ``nn.Module.forward(*args)`` per stage and
+a ``loss_fn(output, target)`` on the last, so a LightningModule's step does not fit it, and it cannot keep tied
+weights in sync (pytorch #51931). The schedules are the same family (schedule.py), and
+``benchmarks/pipeline_bench.py`` measures this driver against torch's GPipe and 1F1B on the same split.
+
+Owns: the microbatch loop, forward and backward per action, scaling the pipelined loss (× loss scale / (m × k)),
+keeping the step's gradients aside until Lightning's backward call (Lightning zeroes gradients between
+``training_step`` and ``backward``), the all-reduce of those gradients over data-parallel replicas and of tied
+parameters over the first and last stages, and handing every stage the last stage's outputs and ``self.log``
+calls. Not owned: the plan (partition.py, schedule.py), routing inside the trunk (stage.py), messages (p2p.py).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from lightning_smp.optimizer import mark_norm_duplicate
+from lightning_smp.pipeline import schedule as schedules
+from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
+from lightning_smp.pipeline.p2p import NOTHING, Transport
+from lightning_smp.pipeline.partition import (
+    PartitionPlan,
+    assigned_partition,
+    bytes_per_param,
+    describe_children,
+    find_trunk,
+    plan_partition,
+)
+from lightning_smp.pipeline.stage import StageExit, TrunkRouter
+
+if TYPE_CHECKING:
+    from lightning_smp.config import SMPConfig
+    from lightning_smp.topology import Topology
+
+__all__ = ["PipelineEngine", "build_engine"]
+
+_BUCKET_ELEMENTS = 1 << 24
+_LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+_REDUCE_NAMES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
+
+
+def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPConfig) -> PipelineEngine:
+    """Plan the partition of ``module``, print it (rank 0), keep this rank's stage in ``module`` (in place:
+    other stages' trunk children become placeholders) and return the engine that runs its steps."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "pipeline_parallel_degree > 1 runs forward and backward of every microbatch inside the step, which "
+            "needs automatic optimization; remove `self.automatic_optimization = False` (with one optimizer) or "
+            "set pipeline_parallel_degree=1."
+        )
+    trunk_name, trunk = find_trunk(module, config.pipeline_module)
+    children = describe_children(trunk, trunk_name)
+    assignment = None
+    if not config.auto_partition and config.partition is None:
+        assignment = [assigned_partition(child) for child in trunk.children()]
+    plan = plan_partition(
+        trunk_name,
+        children,
+        stages=topology.pp,
+        sizes=config.partition,
+        auto=config.auto_partition,
+        memory_weight=config.memory_weight,
+        assignment=assignment,
+        default=config.default_partition,
+    )
+    tied, outside = _classify_parameters(module, plan)
+    rank_zero_info(
+        plan.table(
+            outside_params=sum(p.numel() for p in {id(p): p for p in tied + [p for _, p in outside]}.values()),
+            bytes_per_param=bytes_per_param(config.half_dtype or torch.float32),
+        )
+    )
+    stage = topology.rank("pp")
+    router = TrunkRouter(trunk, plan, stage)
+    if topology.pp > 1 and topology.is_last_stage:
+        for param in tied:
+            mark_norm_duplicate(param)  # the first stage's copy counts in the global norm
+    return PipelineEngine(
+        module, plan=plan, router=router, topology=topology, config=config, tied=tied, outside=outside
+    )
+
+
+@dataclass
+class _Live:
+    """What a forward left for its backward."""
+
+    leaves: list[Tensor]
+    outputs: list[Tensor] = field(default_factory=list)
+    loss: Tensor | None = None
+
+
+@dataclass
+class _Step:
+    microbatches: list[Any]
+    rest: tuple
+    kwargs: dict
+    step: Callable[..., Any]
+    training: bool
+    factor: Tensor | float = 1.0
+    live: dict[tuple[int, int], _Live] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    logs: dict[int, list[tuple[str, Any, dict[str, Any]]]] = field(default_factory=dict)
+
+
+class PipelineEngine:
+    """Runs training and evaluation steps of one rank's pipeline stage. Create it with `build_engine`."""
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        *,
+        plan: PartitionPlan,
+        router: TrunkRouter,
+        topology: Topology,
+        config: SMPConfig,
+        tied: list[nn.Parameter],
+        outside: list[tuple[str, nn.Parameter]],
+    ) -> None:
+        self._module = module
+        self._plan = plan
+        self._router = router
+        self._topology = topology
+        self._config = config
+        self._tied = tied
+        self._outside = outside
+        self._stage = topology.rank("pp")
+        self._transport: Transport | None = None
+        self._pending: list[tuple[nn.Parameter, Tensor | None]] | None = None
+        self._outside_checked = False
+        self._outside_owner: dict[str, int] = {}
+
+    @property
+    def plan(self) -> PartitionPlan:
+        return self._plan
+
+    @property
+    def tied_parameters(self) -> list[nn.Parameter]:
+        """Parameters held by the first and the last stage (tied embedding and head); kept identical."""
+        return list(self._tied)
+
+    # -- steps -----------------------------------------------------------------------------------------------
+
+    def training_step(
+        self,
+        args: tuple,
+        kwargs: dict,
+        *,
+        step: Callable[..., Any],
+        loss_scale: Tensor | None,
+        grad_divisor: int,
+    ) -> Any:
+        """Forward and backward of every microbatch of the batch ``args[0]``; returns the last stage's output
+        (loss = mean over microbatches) on every stage. The gradients wait for `finish_backward`."""
+        microbatches = split_batch(args[0], self._config.microbatches)
+        divisor = len(microbatches) * grad_divisor
+        factor = loss_scale / divisor if loss_scale is not None else 1.0 / divisor
+        state = _Step(microbatches, tuple(args[1:]), dict(kwargs), step, training=True, factor=factor)
+        params = self._trainable()
+        saved = [p.grad for p in params]
+        for param in params:
+            param.grad = None
+        try:
+            self._run(state)
+            self._pending = [(p, p.grad) for p in params]
+        finally:
+            for param, grad in zip(params, saved, strict=True):
+                param.grad = grad
+        return self._share(state)
+
+    def evaluation_step(self, args: tuple, kwargs: dict, *, step: Callable[..., Any]) -> Any:
+        """Forward of every microbatch (validation, test, predict); returns the merged output on every stage."""
+        microbatches = split_batch(args[0], self._config.microbatches)
+        state = _Step(microbatches, tuple(args[1:]), dict(kwargs), step, training=False)
+        self._run(state)
+        return self._share(state)
+
+    def finish_backward(self, *, sync: bool) -> bool:
+        """Add the gradients of the last pipelined step to ``.grad`` (Lightning's backward call); with ``sync``
+        (the last step of an accumulation) reduce them over tied stages and data-parallel replicas. Returns
+        False when there was nothing pipelined to finish."""
+        if self._pending is None:
+            return False
+        pending, self._pending = self._pending, None
+        for param, grad in pending:
+            if grad is None:
+                continue
+            if param.grad is None:
+                param.grad = grad
+            else:
+                param.grad.add_(grad)
+        if sync:
+            self._reduce_gradients()
+        return True
+
+    # -- the schedule ------------------------------------------------------------------------------------------
+
+    def _run(self, state: _Step) -> None:
+        plan = schedules.build(
+            self._config.pipeline,
+            stages=self._topology.pp,
+            stage=self._stage,
+            microbatches=len(state.microbatches),
+            active=self._config.resolved_active_microbatches,
+            chunks_per_stage=self._plan.chunks_per_stage,
+            training=state.training,
+        )
+        transport = self._transport_()
+        for action in plan:
+            if action.forward:
+                self._forward(action, state, transport)
+            else:
+                self._backward(action, state, transport)
+        transport.wait_sends()
+
+    def _forward(self, action: schedules.Action, state: _Step, transport: Transport) -> None:
+        chunk, index = action.chunk, action.microbatch
+        is_last = chunk == self._plan.num_chunks - 1
+        received, leaves = NOTHING, []
+        if chunk > 0:
+            received, leaves = transport.recv_activation(
+                src=transport.peer(-1), requires_grad=state.training, tag=2 * (chunk - 1)
+            )
+        capture = _LogCapture(self._module)
+        exited = False
+        with self._router.run(chunk, received) as call, capture:
+            try:
+                output = state.step(state.microbatches[index], *state.rest, **state.kwargs)
+            except StageExit as stop:
+                output, exited = stop.output, True
+        if is_last:
+            if received is not NOTHING and not call.reached_entry:
+                raise RuntimeError(
+                    f"the last pipeline stage received microbatch {index}'s activation, but its step never reached "
+                    "the trunk. The step must run the trunk for every microbatch, or for none."
+                )
+            state.outputs[index] = output
+            state.logs[index] = capture.calls
+            if state.training:
+                state.live[(index, chunk)] = _Live(leaves, loss=_loss_of(output))
+            return
+        if not exited:
+            if call.reached_entry or received is not NOTHING:
+                raise RuntimeError(
+                    f"pipeline stage {self._stage}'s step returned before the end of its part of the trunk "
+                    f"(microbatch {index}). A pipelined step must run every trunk child, in order, once."
+                )
+            output = NOTHING  # the step does not use the trunk: every stage runs it whole
+        sent = transport.send_activation(output, dst=transport.peer(1), tag=2 * chunk)
+        if state.training:
+            state.live[(index, chunk)] = _Live(leaves, outputs=sent)
+
+    def _backward(self, action: schedules.Action, state: _Step, transport: Transport) -> None:
+        chunk = action.chunk
+        live = state.live.pop((action.microbatch, chunk))
+        if chunk == self._plan.num_chunks - 1:
+            if live.loss is not None and live.loss.requires_grad:
+                torch.autograd.backward(live.loss.float() * state.factor)
+        else:
+            grads = transport.recv_grads(live.outputs, src=transport.peer(1), tag=2 * chunk + 1)
+            if live.outputs:
+                torch.autograd.backward(live.outputs, grads)
+        if chunk > 0:
+            transport.send_grads(live.leaves, dst=transport.peer(-1), tag=2 * (chunk - 1) + 1)
+
+    def _share(self, state: _Step) -> Any:
+        """The last stage's merged output and reduced ``self.log`` calls, on every stage; the logs replayed."""
+        is_last = self._topology.is_last_stage
+        package: list[Any] = [None]
+        if is_last:
+            indices = sorted(state.outputs)
+            merged = merge_outputs([_detach(state.outputs[i]) for i in indices])
+            calls = _reduce_logs([state.logs[i] for i in indices])
+            package = [(_to(merged, torch.device("cpu")), _to(calls, torch.device("cpu")))]
+        group = self._topology.group("pp")
+        dist.broadcast_object_list(package, src=self._topology.ranks("pp")[-1], group=group)
+        device = self._device()
+        received, calls = _to(package[0], device)
+        if not is_last:
+            merged = received
+        for name, value, options in calls:
+            self._module.log(name, value, **options)
+        return merged
+
+    # -- gradients ----------------------------------------------------------------------------------------------
+
+    def _reduce_gradients(self) -> None:
+        topology = self._topology
+        if self._tied and (topology.is_first_stage or topology.is_last_stage):
+            for param in self._tied:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            _all_reduce([p.grad for p in self._tied], topology.group("embedding"), divide_by=1)
+        if topology.dp > 1:
+            grads = [p.grad for p in self._trainable() if p.grad is not None]
+            _all_reduce(grads, topology.group("dp"), divide_by=topology.dp)
+        if not self._outside_checked:
+            self._outside_checked = True
+            self._check_outside_parameters()
+
+    def _check_outside_parameters(self) -> None:
+        """Once, at the first synchronised step: learn which stage trains each parameter outside the trunk, and
+        refuse one trained on several stages unless it is tied (registered under two names, kept in sync)."""
+        if not self._outside:
+            self._outside_owner = {}
+            return
+        stages = self._topology.pp
+        used = torch.zeros(stages, len(self._outside), device=self._device())
+        used[self._stage] = torch.tensor([float(p.grad is not None) for _, p in self._outside])
+        dist.all_reduce(used, group=self._topology.group("pp"))
+        table = used.t().tolist()  # sync: once per run
+        shared = [name for (name, _), row in zip(self._outside, table, strict=True) if sum(row) > 1]
+        if shared:
+            raise ValueError(
+                f"parameters outside the pipelined trunk got gradients on several pipeline stages: {shared}. Each "
+                "stage holds its own copy, so they would drift apart. If a weight is shared (an embedding reused "
+                "by the output head), register it in both modules, e.g. `self.lm_head.weight = self.wte.weight`, "
+                "and lightning_smp sums its gradients over the first and last stage; otherwise use it on one side "
+                "of the trunk only."
+            )
+        self._outside_owner = {
+            name: max(range(stages), key=row.__getitem__) for (name, _), row in zip(self._outside, table, strict=True)
+        }
+
+    def owned_parameter_names(self) -> set[str]:
+        """Names (in the LightningModule) of the parameters whose copy on this rank is the trained one: its trunk
+        children, the tied parameters on the first stage, and the other parameters outside the trunk on the stage
+        that uses them (known after the first optimizer step; before it, stage 0 holds them). Every parameter is
+        owned by exactly one stage; a checkpoint takes each from its owner."""
+        prefix = f"{self._plan.trunk}."
+        tied = {id(p) for p in self._tied}
+        names = set()
+        for name, param in self._module.named_parameters(remove_duplicate=False):
+            if name.startswith(prefix):
+                names.add(name)
+            elif id(param) in tied:
+                if self._topology.is_first_stage:
+                    names.add(name)
+            elif self._outside_owner.get(name, 0) == self._stage:
+                names.add(name)
+        return names
+
+    def _trainable(self) -> list[nn.Parameter]:
+        return [p for p in self._module.parameters() if p.requires_grad]
+
+    def _device(self) -> torch.device:
+        return next(self._module.parameters(), torch.empty(0)).device
+
+    def _transport_(self) -> Transport:
+        if self._transport is None:
+            self._transport = Transport(self._topology.group("pp"), self._device())
+        return self._transport
+
+
+# -- helpers -------------------------------------------------------------------------------------------------------
+
+
+class _LogCapture:
+    """Holds back ``self.log`` calls made by one microbatch's step, to be reduced and replayed once per step."""
+
+    def __init__(self, module: pl.LightningModule) -> None:
+        self._module = module
+        self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+
+    def __enter__(self) -> _LogCapture:
+        object.__setattr__(self._module, "log", self._log)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._module.__dict__.pop("log", None)
+
+    def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(self._module, name, value, *args, **kwargs)
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        if not isinstance(value, Tensor | int | float):
+            raise ValueError(
+                f"self.log({name!r}, <{type(value).__name__}>) inside a pipelined step: only the last stage computes "
+                "the step's values, so lightning_smp sends them to the other stages, which works for tensors and "
+                f"numbers. Log the value instead, e.g. `self.log({name!r}, metric(preds, target))` for a torchmetrics "
+                "Metric, and compute epoch-level metrics in an epoch-end hook."
+            )
+        options.pop("sync_dist_group", None)  # a process group cannot be sent; the strategy's default is used
+        reduce_fx = options.get("reduce_fx", "mean")
+        options["reduce_fx"] = _REDUCE_NAMES.get(reduce_fx, reduce_fx)
+        self.calls.append((name, _detach(value), options))
+
+
+def _reduce_logs(per_microbatch: Sequence[list[tuple[str, Any, dict[str, Any]]]]) -> list[tuple[str, Any, dict]]:
+    """One call per logged name: its values over the microbatches reduced with its ``reduce_fx``."""
+    values: dict[str, list[Any]] = {}
+    options: dict[str, dict[str, Any]] = {}
+    for calls in per_microbatch:
+        for name, value, opts in calls:
+            values.setdefault(name, []).append(value)
+            options.setdefault(name, opts)
+    return [(name, reduce_values(values[name], options[name]["reduce_fx"]), options[name]) for name in values]
+
+
+def _loss_of(output: Any) -> Tensor:
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    if not isinstance(loss, Tensor):
+        raise RuntimeError(
+            f"training_step returned {type(output).__name__} on the last pipeline stage; with pipeline parallelism "
+            "it must return the loss tensor, or a dict with a 'loss' tensor, for every microbatch."
+        )
+    return loss
+
+
+def _detach(value: Any) -> Any:
+    return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, value)
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)
+
+
+def _all_reduce(grads: list[Tensor], group: dist.ProcessGroup, *, divide_by: int) -> None:
+    """Sum ``grads`` over ``group`` in place (divided by ``divide_by`` first, as DDP averages), one flat bucket
+    per dtype of at most ``_BUCKET_ELEMENTS`` elements per collective."""
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        for bucket in _buckets(same):
+            flat = torch.cat([g.reshape(-1) for g in bucket])
+            if divide_by > 1:
+                flat.div_(divide_by)
+            dist.all_reduce(flat, group=group)
+            pieces = flat.split([g.numel() for g in bucket])
+            torch._foreach_copy_(bucket, [piece.view_as(g) for piece, g in zip(pieces, bucket, strict=True)])
+
+
+def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
+    buckets: list[list[Tensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if buckets[-1] and size + tensor.numel() > _BUCKET_ELEMENTS:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(tensor)
+        size += tensor.numel()
+    return [bucket for bucket in buckets if bucket]
+
+
+def _classify_parameters(
+    module: nn.Module, plan: PartitionPlan
+) -> tuple[list[nn.Parameter], list[tuple[str, nn.Parameter]]]:
+    """Tied parameters (outside the trunk, registered under several names) and the other outside parameters;
+    refuses parameters shared across stages in ways the pipeline cannot keep in sync."""
+    prefix = f"{plan.trunk}." if plan.trunk else ""
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        params[id(param)] = param
+    tied, outside = [], []
+    for key, found in names.items():
+        stages = {plan.stage_of(int(n[len(prefix) :].split(".")[0])) for n in found if n.startswith(prefix)}
+        outside_names = [n for n in found if not n.startswith(prefix)]
+        if len(stages) > 1 or (stages and outside_names):
+            where = ", ".join(found)
+            raise ValueError(
+                f"one parameter is shared by {where}, which run on different pipeline stages; the pipeline keeps "
+                "only tied weights outside the trunk (an embedding and its output head) in sync. Place the "
+                "modules sharing it on one stage (partition=...), or give each its own parameter."
+            )
+        if stages:
+            continue
+        if len(outside_names) > 1:
+            tied.append(params[key])
+        else:
+            outside.append((outside_names[0], params[key]))
+    return tied, outside

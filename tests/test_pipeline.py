@@ -1,0 +1,306 @@
+"""Pipeline planning without processes: microbatches, schedules, partitions, and the trunk's routing on one rank."""
+
+from collections import OrderedDict, namedtuple
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_smp import smp
+from lightning_smp.pipeline import schedule
+from lightning_smp.pipeline.microbatch import batch_size, merge_outputs, reduce_values, split_batch
+from lightning_smp.pipeline.partition import (
+    ChildCost,
+    assigned_partition,
+    balance,
+    child_weights,
+    describe_children,
+    find_trunk,
+    plan_partition,
+    sizes_from_assignment,
+)
+from lightning_smp.pipeline.runtime import _classify_parameters
+from lightning_smp.pipeline.stage import StageExit, TrunkRouter
+
+Pair = namedtuple("Pair", ["x", "y"])
+
+# -- microbatches ------------------------------------------------------------------------------------------------
+
+
+def test_split_batch_splits_every_tensor_in_any_nesting_and_shares_the_rest():
+    batch = {"x": torch.arange(8).view(8, 1), "pair": Pair(torch.arange(8), [torch.zeros(8, 2), "tag"]), "t": 3.0}
+    batch["scalar"] = torch.tensor(5)
+    pieces = split_batch(batch, 4)
+    assert len(pieces) == 4
+    assert [p["x"].flatten().tolist() for p in pieces] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert isinstance(pieces[1]["pair"], Pair) and pieces[1]["pair"].x.tolist() == [2, 3]
+    assert pieces[3]["pair"].y[0].shape == (2, 2) and pieces[3]["pair"].y[1] == "tag"
+    assert pieces[2]["t"] == 3.0 and pieces[2]["scalar"] is batch["scalar"]
+    assert pieces[0]["x"].data_ptr() == batch["x"].data_ptr()  # views, no copy
+    assert split_batch(batch, 1) == [batch]
+    assert isinstance(split_batch(OrderedDict(a=torch.zeros(4)), 2)[0], OrderedDict)
+
+
+def test_an_indivisible_batch_names_both_numbers_and_the_fix():
+    with pytest.raises(
+        ValueError, match=r"batch\['y'\] has 6 samples on dim 0, which microbatches=4 does not divide.*4 or 8"
+    ):
+        split_batch({"x": torch.zeros(8), "y": torch.zeros(6)}, 4)
+
+
+def test_batch_size_is_dim_0_of_the_first_tensor():
+    assert batch_size((torch.tensor(1.0), {"a": torch.zeros(5, 2)})) == 5
+    assert batch_size(["no tensors"]) is None
+
+
+def test_merge_outputs_means_losses_concatenates_predictions_and_sums_counts():
+    outputs = [
+        {"loss": torch.tensor(1.0), "preds": torch.tensor([1, 2]), "correct": torch.tensor(2), "n": 4, "tag": "a"},
+        {"loss": torch.tensor(3.0), "preds": torch.tensor([3, 4]), "correct": torch.tensor(1), "n": 4, "tag": "b"},
+    ]
+    merged = merge_outputs(outputs)
+    assert merged["loss"].item() == 2.0
+    assert merged["preds"].tolist() == [1, 2, 3, 4]
+    assert merged["correct"].item() == 3 and merged["n"] == 8 and merged["tag"] == "b"
+    assert merge_outputs([None, None]) is None
+    assert merge_outputs([(torch.ones(1, 2), 1.0), (torch.zeros(1, 2), 2.0)])[1] == 1.5
+
+
+def test_reduce_values_follows_the_log_calls_reduce_fx():
+    values = [torch.tensor(1.0), torch.tensor(4.0)]
+    assert reduce_values(values, "mean").item() == 2.5
+    assert reduce_values(values, "sum").item() == 5.0
+    assert reduce_values(values, torch.max).item() == 4.0
+    assert reduce_values([1, 2, 6], "mean") == 3.0
+    assert reduce_values(values, lambda v: v).item() == 4.0  # unknown reduction: the last value, like on_step
+
+
+# -- schedules ---------------------------------------------------------------------------------------------------
+
+
+def _name(action):
+    return f"{'F' if action.forward else 'B'}{action.microbatch}"
+
+
+def _orders(pipeline, stages, microbatches, **kwargs):
+    plans = [
+        schedule.build(pipeline, stages=stages, stage=s, microbatches=microbatches, **kwargs) for s in range(stages)
+    ]
+    return plans, schedule.simulate(plans)
+
+
+def test_simple_is_gpipe_and_the_active_cap_makes_waves():
+    plans, sim = _orders("simple", 2, 4)
+    assert [_name(a) for a in plans[0]] == ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
+    assert sim.makespan == (4 + 2 - 1) * 3  # (m + p - 1) * (t_F + t_B)
+    plans, _ = _orders("simple", 2, 4, active=2)
+    assert [_name(a) for a in plans[1]] == ["F0", "F1", "B0", "B1", "F2", "F3", "B2", "B3"]
+
+
+def test_interleaved_is_1f1b_with_warmup_by_stage():
+    plans, sim = _orders("interleaved", 4, 8)
+    assert [_name(a) for a in plans[0][:6]] == ["F0", "F1", "F2", "F3", "B0", "F4"]
+    assert [_name(a) for a in plans[3][:4]] == ["F0", "B0", "F1", "B1"]
+    assert sim.peak_in_flight == (4, 3, 2, 1)  # 1F1B: activations of at most p - s microbatches
+    assert sim.makespan == (8 + 4 - 1) * 3  # the same bubble as GPipe, less memory
+    _, capped = _orders("interleaved", 4, 8, active=2)
+    assert max(capped.peak_in_flight) == 2
+
+
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_every_schedule_completes_without_deadlock(pipeline):
+    for stages in range(1, 6):
+        for microbatches in range(1, 10):
+            for active in (None, 1, 2, stages + 2):
+                plans, sim = _orders(pipeline, stages, microbatches, active=active)
+                assert sum(map(len, plans)) == 2 * stages * microbatches
+                assert sim.busy == (3.0 * microbatches,) * stages
+
+
+def test_virtual_stages_cut_the_bubble():
+    _, plain = _orders("interleaved", 4, 8)
+    plans, virtual = schedule.build("interleaved", stages=4, stage=0, microbatches=8, chunks_per_stage=2), None
+    plans = [schedule.build("interleaved", stages=4, stage=s, microbatches=8, chunks_per_stage=2) for s in range(4)]
+    virtual = schedule.simulate(plans, forward_time=0.5, backward_time=1.0)  # each chunk is half a stage
+    assert {a.chunk for a in plans[1]} == {1, 5}
+    assert virtual.efficiency == pytest.approx(8 / (8 + 3 / 2))  # m / (m + (p - 1) / v)
+    assert virtual.efficiency > plain.efficiency
+    with pytest.raises(ValueError, match="multiple of pipeline_parallel_degree=4, got microbatches=6"):
+        schedule.build("interleaved", stages=4, stage=0, microbatches=6, chunks_per_stage=2)
+
+
+def test_the_simulator_finds_deadlocks_and_incomplete_plans():
+    forward, backward = schedule.Action(True, 0, 0), schedule.Action(False, 0, 0)
+    first, second = schedule.Action(True, 0, 1), schedule.Action(False, 0, 1)
+    with pytest.raises(ValueError, match="deadlock"):
+        schedule.simulate([[backward, forward], [first, second]])  # stage 0 waits for a grad before sending
+    with pytest.raises(ValueError, match="exactly once"):
+        schedule.simulate([[forward], [first, second]])
+
+
+# -- partitions --------------------------------------------------------------------------------------------------
+
+
+class _Net(nn.Module):
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.small = nn.Sequential(nn.Linear(4, 4))
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(blocks))
+        self.head = nn.Linear(4, 10, bias=False)
+
+
+def test_the_trunk_is_the_sequential_container_with_most_parameters_or_the_named_one():
+    net = _Net()
+    assert find_trunk(net)[0] == "blocks"
+    assert find_trunk(net, "small")[0] == "small"
+    with pytest.raises(ValueError, match=r"'head' is a Linear; .* 'blocks' \(4 children, 80 params\)"):
+        find_trunk(net, "head")
+    with pytest.raises(ValueError, match="does not name a submodule"):
+        find_trunk(net, "blocks.9")
+    with pytest.raises(ValueError, match=r"has no nn.Sequential or nn.ModuleList.*nn.ModuleList run in order"):
+        find_trunk(nn.Linear(2, 2))
+
+
+def test_balance_minimises_the_heaviest_stage_and_prefers_even_sizes():
+    assert balance([1.0] * 8, 4) == (2, 2, 2, 2)
+    assert balance([4, 1, 1, 1, 1], 2) == (1, 4)
+    assert balance([0, 1, 0, 1, 0], 2) in {(2, 3), (3, 2)}
+    with pytest.raises(ValueError, match="cannot split 2 trunk children into 3"):
+        balance([1, 1], 3)
+
+
+def test_memory_weight_trades_compute_against_memory():
+    children = [
+        ChildCost("a", params=100, param_bytes=400, flops=1.0, activation_bytes=0),
+        ChildCost("b", params=0, param_bytes=0, flops=3.0, activation_bytes=0),
+    ]
+    assert child_weights(children, 1.0) == pytest.approx([1.0, 0.0])  # memory only: the parameters
+    assert child_weights(children, 0.0) == pytest.approx([0.25, 0.75])  # compute only: the FLOPs
+    unmeasured = [ChildCost("a", params=10), ChildCost("b", params=30)]
+    assert child_weights(unmeasured, 0.5) == pytest.approx([0.25, 0.75])  # compute estimated from parameters
+
+
+def test_plans_from_sizes_the_cost_model_or_the_smp_placement():
+    children = describe_children(_Net(6).blocks, "blocks")
+    assert children[2] == ChildCost("blocks.2", params=20, param_bytes=80)
+    auto = plan_partition("blocks", children, stages=3)
+    assert auto.sizes == (2, 2, 2) and auto.owned(1) == (2, 3) and auto.stage_of(5) == 2
+    manual = plan_partition("blocks", children, stages=2, sizes=(4, 2))
+    assert manual.chunk_range(1) == range(4, 6)
+    tagged = plan_partition("blocks", children, stages=2, auto=False, assignment=[0, None, None, 1, 1, 1], default=0)
+    assert tagged.sizes == (3, 3)
+    virtual = plan_partition("blocks", children, stages=2, chunks_per_stage=3)
+    assert virtual.chunks_of(1) == (1, 3, 5) and virtual.owned(0) == (0, 2, 4)
+    table = auto.table(outside_params=50)
+    assert "stage  trunk children" in table and "blocks.0 .. 1 + modules before the trunk" in table
+    with pytest.raises(ValueError, match=r"has 6 children, fewer than the 8 pipeline stages.*<= 6"):
+        plan_partition("blocks", children, stages=8)
+    with pytest.raises(ValueError, match=r"partition=\(4, 1\) places 5 trunk children, but 'blocks' has 6"):
+        plan_partition("blocks", children, stages=2, sizes=(4, 1))
+
+
+def test_smp_placement_must_follow_the_trunk_and_fill_every_stage():
+    names = ["b0", "b1", "b2"]
+    assert sizes_from_assignment(names, [0, 1, 1], stages=2, default=None) == (1, 2)
+    with pytest.raises(ValueError, match="'b1' has no pipeline stage"):
+        sizes_from_assignment(names, [0, None, 1], stages=2, default=None)
+    with pytest.raises(ValueError, match="'b2' is placed on stage 0 after 'b1' on stage 1"):
+        sizes_from_assignment(names, [0, 1, 0], stages=2, default=None)
+    with pytest.raises(ValueError, match="stage 1 holds no trunk child"):
+        sizes_from_assignment(names, [0, 0, 0], stages=2, default=None)
+    with pytest.raises(ValueError, match="placed on stage 3, but pipeline_parallel_degree=2"):
+        sizes_from_assignment(names, [0, 1, 3], stages=2, default=None)
+
+
+def test_smp_partition_tags_modules_created_inside_and_set_partition_overrides():
+    with smp.partition(0):
+        first = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        with smp.partition(1):
+            inner = nn.Linear(2, 2)
+    loose = nn.Linear(2, 2)
+    assert assigned_partition(first) == 0 and assigned_partition(inner) == 1
+    assert assigned_partition(loose) is None
+    smp.set_partition(loose, 1)
+    assert assigned_partition(loose) == 1
+    mixed = nn.Sequential(first, inner)
+    with pytest.raises(ValueError, match="submodules placed on stages \\[0, 1\\]"):
+        assigned_partition(mixed)
+    with pytest.raises(ValueError, match="must be an int >= 0"):
+        smp.set_partition(loose, -1)
+
+
+def test_tied_parameters_are_found_and_cross_stage_sharing_is_refused():
+    net = _Net()
+    net.head.weight = net.embed.weight
+    plan = plan_partition("blocks", describe_children(net.blocks, "blocks"), stages=2)
+    tied, outside = _classify_parameters(net, plan)
+    assert tied == [net.embed.weight]
+    assert [name for name, _ in outside] == ["small.0.weight", "small.0.bias"]
+    net.blocks[3].weight = net.blocks[0].weight
+    with pytest.raises(ValueError, match=r"shared by blocks\.0\.weight, blocks\.3\.weight, which run on different"):
+        _classify_parameters(net, plan)
+
+
+# -- routing the trunk on one rank -------------------------------------------------------------------------------
+
+
+class _Chain(nn.Module):
+    def __init__(self, between=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+        self.between = between
+
+    def forward(self, x, extra=None):
+        for index, block in enumerate(self.blocks):
+            x = block(x) if extra is None else block(x, extra)
+            if self.between is not None and index == 1:
+                x = self.between(x)
+        return x
+
+
+def _router(model, stage):
+    plan = plan_partition("blocks", describe_children(model.blocks, "blocks"), stages=2)
+    return TrunkRouter(model.blocks, plan, stage)
+
+
+def test_a_stage_keeps_its_children_and_leaves_after_its_last_one():
+    torch.manual_seed(0)
+    model, whole = _Chain(), _Chain()
+    whole.load_state_dict(model.state_dict())
+    first = _router(model, 0)
+    x = torch.randn(2, 3)
+    assert sum(1 for _ in model.parameters()) == 4  # blocks 2 and 3 became placeholders
+    with first.run(0), pytest.raises(StageExit) as stop:
+        model(x)
+    expected_mid = whole.blocks[1](whole.blocks[0](x))
+    torch.testing.assert_close(stop.value.output, expected_mid)
+    assert model(x).shape == (2, 3)  # outside a step the owned children run, the placeholders pass through
+
+    last_model = _Chain()
+    last_model.load_state_dict(whole.state_dict())
+    last = _router(last_model, 1)
+    with last.run(1, expected_mid) as call:
+        out = last_model(torch.full((2, 3), 123.0))  # the local input is replaced by the received activation
+    assert call.finished
+    torch.testing.assert_close(out, whole(x))
+
+
+def test_code_between_children_and_skip_connections_are_refused():
+    model = _Chain(between=lambda x: x * 2)
+    router = _router(model, 1)
+    with router.run(1, torch.zeros(2, 3)), pytest.raises(RuntimeError, match="did not get the previous child's output"):
+        model(torch.zeros(2, 3))
+    model = _Chain()
+    model.blocks = nn.ModuleList(_TwoInputs() for _ in range(4))
+    router = _router(model, 0)
+    with router.run(0), pytest.raises(RuntimeError, match="extra input that requires grad"):
+        model(torch.zeros(2, 3), torch.zeros(2, 3, requires_grad=True))
+
+
+class _TwoInputs(nn.Linear):
+    def __init__(self):
+        super().__init__(3, 3)
+
+    def forward(self, x, extra):
+        return super().forward(x) + extra
