@@ -45,7 +45,8 @@ class _StepState:
     optimizer's class dynamically and forwards attribute reads (not writes) to it: methods must never assign
     attributes on `self`."""
 
-    grads_unscaled: bool = False
+    grads_read: bool = False  # the half grads of the latest backward are in the masters' grads and checked
+    grads_detached: bool = False  # some masters had their grad set to None for one step (unused params)
 
 
 class _HostMirror:
@@ -199,22 +200,23 @@ class MasterWeightOptimizer(Optimizer):
 
     def note_backward(self) -> None:
         """The half-precision grads changed (a backward ran): the next unscale must read them again."""
-        self._step_state.grads_unscaled = False
+        self._step_state.grads_read = False
 
     def unscale_grads(self) -> None:
         """Copy the half grads into the fp32 master grads, unscale them and decide overflow for the whole job.
 
         Runs at most once per backward; clipping, ``overflow`` and ``step`` call it as needed.
         """
-        if self._step_state.grads_unscaled:
+        if self._step_state.grads_read:
             return
-        self._step_state.grads_unscaled = True
+        self._step_state.grads_read = True
         half_grads = [p.grad for p in self._half_params]
         if any(g is None for g in half_grads):
             # Unused parameters keep no gradient, like in the fp32 run: torch optimizers skip a param whose
             # grad is None, so the master has none either for this step (restored in `step`). Its slot in the
             # flat buffer is zeroed so a stale value counts neither for overflow nor for the norm.
             present, missing = [], []
+            self._step_state.grads_detached = True
             for master, grad, view in zip(self._masters, half_grads, self._master_grads, strict=True):
                 master.grad = None if grad is None else view
                 (missing if grad is None else present).append((view, grad))
@@ -260,22 +262,47 @@ class MasterWeightOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self.unscale_grads()
         if self._fused:
+            grad_scale = None if self._step_state.grads_read else self._copy_scaled_grads_and_check()
             self._inner.found_inf = self._found_inf if self._loss_scaler is not None else None
-            self._inner.grad_scale = None
+            self._inner.grad_scale = grad_scale
             self._inner.step()
-        elif self._loss_scaler is None or not self._found_inf.item():  # sync: non-fused optimizers cannot gate
-            self._inner.step()
+        else:
+            self.unscale_grads()
+            if self._loss_scaler is None or not self._found_inf.item():  # sync: non-fused optimizers cannot gate
+                self._inner.step()
         if self._half_params:
             torch._foreach_copy_(self._half_params, self._masters)
-        for master, view in zip(self._masters, self._master_grads, strict=True):
-            master.grad = view
+        if self._step_state.grads_detached:
+            for master, view in zip(self._masters, self._master_grads, strict=True):
+                master.grad = view
+            self._step_state.grads_detached = False
         self._skipped_steps.add_(self._found_inf)
         self._last_skip.capture(self._found_inf)
         if self._loss_scaler is not None:
             self._loss_scaler.update(self._found_inf)
+        self._step_state.grads_read = True  # until the next backward, `overflow` reports this step
         return loss
+
+    def _copy_scaled_grads_and_check(self) -> Tensor | None:
+        """The fused fast path: copy the still-scaled half grads into the master grads and decide overflow with
+        one read-only pass; the fused optimizer divides by the scale inside its own kernel, saving the
+        read-modify-write pass of a separate unscale. Returns the scale to hand it, or ``None`` (nothing to
+        unscale: bf16, or some grads missing, which take the ordinary path)."""
+        half_grads = [p.grad for p in self._half_params]
+        if self._loss_scaler is None or any(g is None for g in half_grads):
+            self.unscale_grads()
+            return None
+        if half_grads:
+            torch._foreach_copy_(self._master_grads, half_grads)
+        targets = self._unscale_targets()
+        norms = torch._foreach_norm(targets) if targets else [torch.zeros((), device=self._found_inf.device)]
+        # one fp32 norm per tensor: finite unless some element is inf/NaN (|g| <= 65504, so no false overflow)
+        self._found_inf.copy_(torch.logical_not(torch.isfinite(torch.stack(norms).sum())))
+        if _group_size(self._overflow_group) > 1:
+            dist.all_reduce(self._found_inf, op=dist.ReduceOp.MAX, group=self._overflow_group)
+        self._step_state.grads_read = True
+        return self._loss_scaler.scale
 
     def last_step_skipped_ready(self) -> bool:
         """Whether `last_step_skipped` can answer without waiting for the device."""
@@ -292,7 +319,7 @@ class MasterWeightOptimizer(Optimizer):
                 param.grad = None
             elif param.grad is not None:
                 param.grad.detach_().zero_()
-        self._step_state.grads_unscaled = False
+        self._step_state.grads_read = False
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(

@@ -163,7 +163,8 @@ class SMPPrecision(Precision):
             return closure_result  # training_step returned None: nothing to update (as Lightning's AMP plugin)
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
-        optimizer.unscale_grads()
+        # No explicit unscale here: clipping unscales when it runs; otherwise a fused optimizer takes the scaled
+        # grads and unscales inside its own kernel (one memory pass fewer).
         self._after_closure(model, optimizer)
         optimizer.step(**kwargs)
         return closure_result

@@ -346,9 +346,14 @@ class SMPStrategy(DDPStrategy):
         if not isinstance(plugin, SMPPrecision) or module is None:
             return
         scaled = [opt for opt in plugin.master_weight_optimizers if opt.scale_tensor is not None]
+        show_in_bar = module.trainer.progress_bar_callback is not None
         for index, optimizer in enumerate(scaled):
             suffix = "" if len(scaled) == 1 else f"_{index}"
-            module.log(f"loss_scale{suffix}", optimizer.scale_tensor, prog_bar=True, on_step=True, on_epoch=False)
+            # Lightning turns progress-bar metrics into numbers after every batch (a host sync), so the scale goes
+            # to the bar only when there is a bar to show it.
+            module.log(
+                f"loss_scale{suffix}", optimizer.scale_tensor, prog_bar=show_in_bar, on_step=True, on_epoch=False
+            )
             module.log(f"skipped_steps{suffix}", optimizer.skipped_steps, on_step=True, on_epoch=False)
 
     # -- errors and teardown ---------------------------------------------------------------------------------

@@ -584,14 +584,14 @@ def test_last_step_skipped_follows_the_last_step() -> None:
 def test_the_fused_cuda_step_never_waits_for_the_host() -> None:
     model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda().half()
     wrapper = MasterWeightOptimizer(
-        AdamW(model.parameters(), lr=1e-3, fused=True), loss_scaler=DynamicLossScaler(init_scale=2.0**40)
+        AdamW(model.parameters(), lr=1e-3, fused=True), loss_scaler=DynamicLossScaler(init_scale=2.0**24)
     )
     x = torch.randn(32, 64, device="cuda", dtype=torch.float16)
     before = model[0].weight.detach().clone()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(4):  # 2**40 overflows fp16 at first: skipped and clean steps both run
+        for _ in range(12):  # 2**24 overflows fp16 at first: skipped and clean steps both run
             (model(x).float().pow(2).mean() * wrapper.scale_tensor).backward()
             wrapper.note_backward()
             wrapper.clip_master_grads(1.0)
@@ -599,7 +599,7 @@ def test_the_fused_cuda_step_never_waits_for_the_host() -> None:
             wrapper.zero_grad()
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert 1 <= wrapper.skipped_steps.item() < 4
+    assert 1 <= wrapper.skipped_steps.item() < 12
     assert not torch.equal(model[0].weight, before)  # the clean steps updated the fp16 weights
 
 
@@ -611,3 +611,29 @@ def test_params_marked_as_norm_duplicates_count_once() -> None:
     counted = [p.grad.float() for p in (model[0].weight, model[0].bias, model[2].bias)]
     expected = torch.linalg.vector_norm(torch.cat([g.flatten() for g in counted]))
     torch.testing.assert_close(wrapper.clip_master_grads(1e9), expected)
+
+
+@pytest.mark.parametrize("delayed_shift", [1, 2])
+def test_the_fused_fast_path_equals_the_explicit_unscale_path(delayed_shift: int) -> None:
+    """Handing the scaled grads to the fused optimizer (no separate unscale pass) changes nothing: the same
+    skipped steps, scales and masters, bit for bit, as unscaling first."""
+    runs = []
+    for explicit_unscale in (False, True):
+        model = _model()
+        scaler = DynamicLossScaler(init_scale=2.0**19, scale_window=3, delayed_shift=delayed_shift)
+        wrapper = MasterWeightOptimizer(OPTIMIZERS["adamw_fused"](model.parameters()), loss_scaler=scaler)
+        trace = []
+        for step in range(12):
+            _backward(model, wrapper, step)
+            if step == 7:
+                model[0].weight.grad[0, 0] = math.nan
+            if explicit_unscale:
+                wrapper.unscale_grads()
+            wrapper.step()
+            trace.append((wrapper.last_step_skipped(), wrapper.loss_scale))
+            wrapper.zero_grad()
+        runs.append((trace, [m.detach().clone() for m in wrapper.master_params()]))
+    (fast_trace, fast_masters), (ref_trace, ref_masters) = runs
+    assert fast_trace == ref_trace
+    assert any(skipped for skipped, _ in fast_trace) and not all(skipped for skipped, _ in fast_trace)
+    assert all(torch.equal(a, b) for a, b in zip(fast_masters, ref_masters, strict=True))

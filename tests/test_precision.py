@@ -161,8 +161,15 @@ def test_an_overflow_skips_the_step_the_scheduler_and_backs_off_the_scale(fused)
     optimizer = trainer.strategy.optimizers[0]
     assert isinstance(optimizer, MasterWeightOptimizer)
     assert optimizer.skipped_steps.item() == 1
-    assert trainer.progress_bar_metrics["loss_scale"] == 2.0**9
+    assert trainer.callback_metrics["loss_scale"] == 2.0**9
+    assert "loss_scale" not in trainer.progress_bar_metrics  # no bar: no per-step host sync for showing it
     assert trainer.callback_metrics["skipped_steps"].item() == 1  # logged before the last step's update
+
+
+def test_the_progress_bar_shows_the_loss_scale():
+    trainer = _trainer(_fp16(dynamic_loss_args={"init_scale": 2.0**10}), max_steps=2, enable_progress_bar=True)
+    trainer.fit(TinyRegressor())
+    assert trainer.progress_bar_metrics["loss_scale"] == 2.0**10
 
 
 def test_delayed_shift_two_needs_two_overflows_to_back_off():
