@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SMPConfig"]
+__all__ = ["TENSOR_PARALLEL_STYLES", "SMPConfig"]
 
 _ENV_VAR = "SM_HP_MP_PARAMETERS"
 # smp's schema has exactly one alias (config.yaml: pipeline_parallel_degree.alias = partitions).
@@ -32,8 +32,21 @@ _OPTIMIZE = ("speed", "memory")
 _DDP_BACKENDS = ("auto", "nccl")
 _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
 _OWN_FIELDS = frozenset(
-    {"static_loss_scale", "dynamic_loss_scale", "dynamic_loss_args", "pipeline_module", "partition"}
+    {
+        "static_loss_scale",
+        "dynamic_loss_scale",
+        "dynamic_loss_args",
+        "pipeline_module",
+        "partition",
+        "tensor_parallel_plan",
+    }
 )
+TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "vocab", "auto", "replicate")
+"""Styles of a ``tensor_parallel_plan`` entry: "colwise" (an nn.Linear split by output features; its output stays
+split), "rowwise" (an nn.Linear split by input features; takes a split input, e.g. a "colwise" output, and
+returns the whole output), "vocab" (an nn.Embedding split along the vocabulary), "auto" (a layer lightning_smp
+splits by itself: nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding),
+"replicate" (keep the module and everything in it whole)."""
 
 # smp settings that lightning_smp accepts but that change nothing yet: field -> why. When a feature lands,
 # delete its line here; `SMPConfig.inactive_settings` reads only this table.
@@ -191,6 +204,11 @@ class SMPConfig:
     partition: tuple[int, ...] | None = None
     """lightning_smp: manual stage sizes, one per stage, counted in children of the pipelined trunk (for
     example (3, 3, 2)); a list is accepted and stored as a tuple."""
+    tensor_parallel_plan: Mapping[str, str] | None = None
+    """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
+    one component) mapped to a style of ``TENSOR_PARALLEL_STYLES``, for example
+    ``{"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}``; stored read-only. Applies on top of
+    ``smp.tensor_parallelism()``; a pattern that matches no module raises when training starts."""
 
     def __post_init__(self) -> None:
         # With `from __future__ import annotations` field types are strings, hence "bool".
@@ -203,6 +221,8 @@ class SMPConfig:
         self._validate_choices()
         self._validate_pipeline()
         self._validate_precision()
+        if self.tensor_parallel_plan is not None:
+            object.__setattr__(self, "tensor_parallel_plan", _normalise_tp_plan(self.tensor_parallel_plan))
 
     def _validate_choices(self) -> None:
         _require_choice("pipeline", self.pipeline, _PIPELINES)
@@ -279,6 +299,8 @@ class SMPConfig:
         values = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)}
         if self.dynamic_loss_args is not None:
             values["dynamic_loss_args"] = dict(self.dynamic_loss_args)
+        if self.tensor_parallel_plan is not None:
+            values["tensor_parallel_plan"] = dict(self.tensor_parallel_plan)
         return _rebuild, (values,)
 
     # --- derived values ----------------------------------------------------------------------------------
@@ -450,6 +472,24 @@ def _normalise_loss_args(args: object) -> types.MappingProxyType[str, Any]:
         if not ok(value):
             raise ValueError(f"dynamic_loss_args[{key!r}]={value!r} is invalid; set it to {requirement}.")
     return types.MappingProxyType(dict(args))
+
+
+def _normalise_tp_plan(plan: object) -> types.MappingProxyType[str, str]:
+    example = "{'blocks.*.mlp.fc': 'colwise', 'blocks.*.mlp.proj': 'rowwise'}"
+    if not isinstance(plan, Mapping):
+        raise ValueError(f"tensor_parallel_plan={plan!r} is invalid; pass a dict of module-path patterns: {example}")
+    for pattern, style in plan.items():
+        parts = pattern.split(".") if isinstance(pattern, str) else [""]
+        if any(not part or part.strip() != part or " " in part for part in parts):
+            raise ValueError(
+                f"tensor_parallel_plan pattern {pattern!r} is invalid; give a dotted module path such as "
+                "'blocks.*.mlp.fc' (no empty components or spaces; '*' matches one component)."
+            )
+        if style not in TENSOR_PARALLEL_STYLES:
+            close = difflib.get_close_matches(str(style), TENSOR_PARALLEL_STYLES, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"use one of {', '.join(TENSOR_PARALLEL_STYLES)}."
+            raise ValueError(f"tensor_parallel_plan[{pattern!r}]={style!r} is not a style; {hint}")
+    return types.MappingProxyType(dict(plan))
 
 
 def _fitting_degrees(world_size: int, pp: int, tp: int) -> tuple[int, int]:

@@ -10,7 +10,6 @@ of true model replicas (our data-parallel degree), ``mp`` is pp × tp.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -21,6 +20,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from lightning_smp.pipeline import partition as _placement
+from lightning_smp.tensor_parallel import creation as _tp_creation
+from lightning_smp.tensor_parallel import nn
+from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -46,6 +48,7 @@ __all__ = [
     "mp_barrier",
     "mp_rank",
     "mp_size",
+    "nn",
     "partition",
     "pp_barrier",
     "pp_rank",
@@ -55,6 +58,7 @@ __all__ = [
     "rdp_rank",
     "rdp_size",
     "set_partition",
+    "set_tensor_parallelism",
     "size",
     "state",
     "tensor_parallelism",
@@ -250,19 +254,12 @@ def mp_barrier() -> None:
 
 # -- model creation ------------------------------------------------------------------------------------------
 
-_tensor_parallelism: contextvars.ContextVar[tuple[bool, dict[str, Any]]] = contextvars.ContextVar(
-    "smp_tensor_parallelism", default=(False, {})
-)
-
 
 @contextmanager
 def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Generator[None, None, None]:
     """Modules created inside are distributed over the tensor-parallel ranks (the innermost context wins)."""
-    token = _tensor_parallelism.set((enabled, tp_config))
-    try:
+    with _tp_creation.scope(enabled, tp_config):
         yield
-    finally:
-        _tensor_parallelism.reset(token)
 
 
 @contextmanager
@@ -271,14 +268,13 @@ def model_creation(
 ) -> Generator[None, None, None]:
     """smp's ``model_creation``: create parameters in ``dtype`` and, optionally, tensor-parallel."""
     previous_dtype = torch.get_default_dtype()
-    token = _tensor_parallelism.set((tensor_parallelism, tp_config))
-    if dtype is not None:
-        torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous_dtype)
-        _tensor_parallelism.reset(token)
+    with _tp_creation.scope(tensor_parallelism, tp_config):
+        if dtype is not None:
+            torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(previous_dtype)
 
 
 # -- pipeline placement ----------------------------------------------------------------------------------------

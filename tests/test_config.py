@@ -486,3 +486,21 @@ def test_pickle_and_deepcopy_keep_the_config():
         assert clone == cfg
         with pytest.raises(TypeError):
             clone.dynamic_loss_args["scale_window"] = 1
+
+
+def test_tensor_parallel_plan_is_checked_and_stored_read_only():
+    cfg = SMPConfig(tensor_parallel_plan={"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"})
+    for clone in (pickle.loads(pickle.dumps(cfg)), copy.deepcopy(cfg)):
+        assert clone == cfg
+        with pytest.raises(TypeError):
+            clone.tensor_parallel_plan["head"] = "colwise"
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_plan\['fc'\]='columnwise' is not a style; did you mean 'colwise'"
+    ):
+        SMPConfig(tensor_parallel_plan={"fc": "columnwise"})
+    with pytest.raises(ValueError, match=r"pattern 'blocks\.\.fc' is invalid; give a dotted module path"):
+        SMPConfig(tensor_parallel_plan={"blocks..fc": "colwise"})
+    with pytest.raises(ValueError, match="pass a dict of module-path patterns"):
+        SMPConfig(tensor_parallel_plan=["blocks.*.fc"])
+    with pytest.raises(ValueError, match="'tensor_parallel_plan' in smp_options is a lightning_smp setting"):
+        SMPConfig.from_smp_options({"parameters": {"tensor_parallel_plan": {"fc": "colwise"}}})

@@ -1,0 +1,55 @@
+"""Tensor parallelism (Megatron-style): layers split over the ranks of a tensor-parallel group, and the automatic
+split of a whole model.
+
+Owns the distributed layers (``linear``, ``vocab``, ``attention``, ``transformer``), their collectives (``comm``),
+the shard bookkeeping (``shard``), dropout streams (``rng``), which modules were created tensor-parallel
+(``creation``), the pure decision of what to split (``plan``) and its execution (``parallelize``). It does not own
+the process groups (``topology.py``), the gradient all-reduce over data-parallel replicas (the strategy) or the
+master weights (``optimizer.py``).
+
+Why explicit collectives and not DTensor: a model is built whole and each rank keeps plain-tensor shards, so the
+fp16 master-weight optimizer keeps its flat fp32 buffers and ``torch._foreach_*`` kernels (which take plain
+tensors), DDP buckets the shards like any parameter, and each layer's forward shows its communication: one
+all-reduce per attention block and per MLP forward, one per block backward (Shoeybi et al. 2019). DTensor
+parameters would need their own optimizer path and redistribution rules for every op in torch's layers.
+"""
+
+from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttention, TensorParallelDropout
+from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
+from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
+from lightning_smp.tensor_parallel.linear import ColumnParallelLinear, DistributedLinear, RowParallelLinear
+from lightning_smp.tensor_parallel.parallelize import parallelize
+from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
+from lightning_smp.tensor_parallel.shard import ShardSpec, TPShard, gather_shards, merge_shards, shard_of, slice_shard
+from lightning_smp.tensor_parallel.transformer import DistributedTransformerDecoderLayer, DistributedTransformerLayer
+from lightning_smp.tensor_parallel.vocab import DistributedEmbedding, DistributedLMHead, vocab_parallel_cross_entropy
+
+__all__ = [
+    "ColumnParallelLinear",
+    "DistributedEmbedding",
+    "DistributedLMHead",
+    "DistributedLinear",
+    "DistributedMultiheadAttention",
+    "DistributedTransformerDecoderLayer",
+    "DistributedTransformerLayer",
+    "RowParallelLinear",
+    "ShardSpec",
+    "TPShard",
+    "TensorParallel",
+    "TensorParallelDropout",
+    "TensorParallelModule",
+    "TensorParallelPlan",
+    "copy_to_region",
+    "gather_from_region",
+    "gather_shards",
+    "merge_shards",
+    "parallelize",
+    "plan_tensor_parallel",
+    "reduce_from_region",
+    "scatter_to_region",
+    "set_tensor_parallelism",
+    "shard_of",
+    "slice_shard",
+    "vocab_parallel_cross_entropy",
+]

@@ -1,0 +1,98 @@
+"""What every tensor-parallel module shares: the run's `TensorParallel` context and the `TensorParallelModule` mixin.
+
+A tensor-parallel module is built whole, exactly like its ``torch.nn`` parent (same arguments, same
+initialisation), and behaves like it until `parallelize` calls ``_tp_distribute``, which replaces each parameter
+named in ``tp_shard_specs`` by this rank's slice and attaches the `TensorParallel` context its forward uses.
+Converting a plain ``torch.nn`` module swaps its class in place (``module.__class__ = ...``), as FSDP2's
+``fully_shard`` does: parameter names, hooks and every reference to the module stay valid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_smp.tensor_parallel.rng import TensorParallelRNG
+from lightning_smp.tensor_parallel.shard import SHARD_ATTRIBUTE, ShardSpec, TPShard, shard_of, slice_shard
+
+__all__ = ["TensorParallel", "TensorParallelModule"]
+
+
+@dataclass(frozen=True, eq=False)
+class TensorParallel:
+    """One model replica's tensor-parallel group, as the layers see it."""
+
+    group: dist.ProcessGroup
+    """The tensor-parallel process group (the topology's "tp" axis)."""
+    rank: int
+    """This rank's index in ``group``: which shard it holds."""
+    size: int
+    """Number of shards."""
+    rng: TensorParallelRNG
+    """The random stream for dropout inside sharded regions."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TensorParallel:
+        return self  # process groups cannot be copied; a copied module shares its group
+
+
+class TensorParallelModule(nn.Module):
+    """Mixin for modules that `parallelize` splits over the tensor-parallel ranks (list it before the nn class).
+
+    Subclasses define ``tp_shard_specs`` (which parameters are split and how), ``tp_unsplittable`` (why a size
+    does not split, or None) and a forward that uses ``self._tp`` once it is set.
+    """
+
+    _tp: TensorParallel | None = None
+    _tp_plan_style: ClassVar[str] = "auto"  # the plan style a module of this class answers to
+
+    @property
+    def tp_distributed(self) -> bool:
+        """Whether this module holds shards (``parallelize`` has run), rather than the whole layer."""
+        return self._tp is not None
+
+    @classmethod
+    def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
+        """Parameter names (relative to ``module``) that are split, and how; the others stay replicated.
+
+        A classmethod over any module of the parent ``torch.nn`` class, so a plan can be checked before conversion.
+        """
+        raise NotImplementedError
+
+    @classmethod
+    def tp_unsplittable(cls, module: nn.Module, tp_size: int) -> str | None:
+        """Why ``module`` cannot be split ``tp_size`` ways (with the numbers), or None when it can."""
+        raise NotImplementedError
+
+    @classmethod
+    def tp_convert(cls, module: nn.Module) -> None:
+        """Turn a plain ``torch.nn`` module of the parent class into this class, in place, still whole."""
+        module.__class__ = cls
+
+    def _tp_distribute(self, tp: TensorParallel, shared: dict[int, nn.Parameter]) -> None:
+        """Keep this rank's shard of each split parameter. ``shared`` maps an original parameter's id to its
+        shard, so that a weight tied between several modules is sliced once and stays tied."""
+        for name, spec in type(self).tp_shard_specs(self).items():
+            owner, _, leaf = name.rpartition(".")
+            shard_parameter(self.get_submodule(owner) if owner else self, leaf, spec, tp, shared)
+        self._tp = tp
+
+
+def shard_parameter(
+    module: nn.Module, name: str, spec: ShardSpec, tp: TensorParallel, shared: dict[int, nn.Parameter]
+) -> None:
+    """Replace ``module.<name>`` by this rank's slice (marked with its `TPShard`); a no-op if already sharded."""
+    whole = module._parameters[name]
+    if whole is None or shard_of(whole) is not None:
+        return
+    piece = shared.get(id(whole))
+    if piece is None:
+        with torch.no_grad():
+            data = slice_shard(whole.detach(), spec, tp.rank, tp.size).clone(memory_format=torch.contiguous_format)
+        piece = nn.Parameter(data, requires_grad=whole.requires_grad)
+        setattr(piece, SHARD_ATTRIBUTE, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
+        shared[id(whole)] = piece
+    module._parameters[name] = piece

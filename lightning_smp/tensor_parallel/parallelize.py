@@ -1,0 +1,137 @@
+"""`parallelize`: split a whole model over this rank's tensor-parallel group, following `plan_tensor_parallel`.
+
+Called once per setup by the strategy, after ``configure_model`` built the whole model (the same on every rank)
+and before precision conversion, DDP and the optimizers, which then see only this rank's shards. It makes the
+ranks of each tensor-parallel group agree first (parameters, buffers and the default generator of tp-rank 0,
+so that an unseeded run still trains one consistent model), converts and slices each unit, and marks replicated
+parameters on tp ranks > 0 as norm duplicates so the global gradient norm counts each value once.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from lightning_smp.optimizer import mark_norm_duplicate
+from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
+from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
+from lightning_smp.tensor_parallel.rng import TensorParallelRNG, sync_default_generator, tensor_parallel_seed
+from lightning_smp.tensor_parallel.shard import shard_of
+
+if TYPE_CHECKING:
+    from lightning_smp.config import SMPConfig
+    from lightning_smp.topology import Topology
+
+__all__ = ["parallelize"]
+
+log = logging.getLogger(__name__)
+
+_BROADCAST_BUCKET_BYTES = 64 * 2**20
+
+
+def parallelize(model: nn.Module, *, topology: Topology, config: SMPConfig) -> nn.Module:
+    """Split ``model`` in place over ``topology``'s "tp" group per ``config``; returns ``model``.
+
+    Collective over the tensor-parallel group. Running it again (``trainer.validate`` after ``fit``) splits only
+    what is new. With tensor_parallel_degree 1 it only checks ``config.tensor_parallel_plan`` against the model.
+    """
+    tp_size = topology.size("tp")
+    plan = plan_tensor_parallel(model, tp_size=tp_size, patterns=config.tensor_parallel_plan)
+    if tp_size == 1:
+        return model
+    _warn_about(plan, tp_size)
+    group = topology.group("tp")
+    device = _collective_device(topology)
+    if plan.units:
+        _broadcast_unsharded_state(model, group, device)
+        sync_default_generator(group, device)
+    seed = tensor_parallel_seed(
+        config.tensor_parallel_seed, tp_rank=topology.rank("tp"), tp_size=tp_size, pp_rank=topology.rank("pp")
+    )
+    tp = TensorParallel(group=group, rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
+    shared: dict[int, nn.Parameter] = {}
+    for unit in plan.units:
+        if type(unit.module) is not unit.target:
+            unit.target.tp_convert(unit.module)
+        unit.module._tp_distribute(tp, shared)
+    _keep_transformer_encoders_off_nested_tensors(model)
+    sharded = replicated = 0
+    for param in model.parameters():
+        if shard_of(param) is not None:
+            sharded += param.numel()
+            continue
+        replicated += param.numel()
+        if tp.rank > 0:
+            mark_norm_duplicate(param)  # tp-rank 0 counts the replicated values in the global norm
+    log.info(
+        "tensor parallelism: split %d module(s) over tp=%d; this rank holds %d sharded + %d replicated parameters",
+        len(plan.units),
+        tp_size,
+        sharded,
+        replicated,
+    )
+    return model
+
+
+def _warn_about(plan: TensorParallelPlan, tp_size: int) -> None:
+    if plan.kept_whole:
+        listed = "; ".join(f"{label}: {reason}" for label, reason in plan.kept_whole)
+        rank_zero_warn(
+            f"tensor parallelism (tensor_parallel_degree={tp_size}) keeps {len(plan.kept_whole)} module(s) whole, "
+            f"replicated on every tensor-parallel rank: {listed}. They train correctly but hold their full size on "
+            "each rank; to split them, make the sizes divisible by the degree or stop sharing the weight."
+        )
+    if not plan.units and plan.created_tensor_parallel:
+        rank_zero_warn(
+            f"{plan.created_tensor_parallel} module(s) were created under smp.tensor_parallelism(), but none of them "
+            "is a layer lightning_smp can split (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, "
+            "nn.MultiheadAttention, nn.Embedding, or smp.nn modules), so nothing is split. Name the layers to split "
+            "with SMPStrategy(tensor_parallel_plan={'path.to.fc': 'colwise', 'path.to.proj': 'rowwise'})."
+        )
+
+
+def _collective_device(topology: Topology) -> torch.device:
+    device_type = topology.mesh.device_type
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+@torch.no_grad()
+def _broadcast_unsharded_state(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
+    """Copy tp-rank 0's parameters and buffers (those not sharded yet) to the other ranks of ``group``."""
+    tensors = [p.data for p in model.parameters() if shard_of(p) is None] + list(model.buffers())
+    src = dist.get_global_rank(group, 0)
+    for bucket in _buckets(tensors):
+        flat = _flatten_dense_tensors(bucket).to(device)
+        dist.broadcast(flat, src=src, group=group)
+        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+            tensor.copy_(value)
+
+
+def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """Group ``tensors`` by device and dtype into lists of at most ``_BROADCAST_BUCKET_BYTES`` (or one tensor)."""
+    by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
+    for tensor in tensors:
+        buckets = by_kind.setdefault((tensor.device, tensor.dtype), [[]])
+        size = sum(t.numel() * t.element_size() for t in buckets[-1])
+        if buckets[-1] and size + tensor.numel() * tensor.element_size() > _BROADCAST_BUCKET_BYTES:
+            buckets.append([])
+        buckets[-1].append(tensor)
+    return [bucket for buckets in by_kind.values() for bucket in buckets if bucket]
+
+
+def _keep_transformer_encoders_off_nested_tensors(model: nn.Module) -> None:
+    # nn.TransformerEncoder's inference path packs padded batches into nested tensors for torch's fused layer
+    # kernels, which cannot run a split layer: keep it on the ordinary path.
+    for module in model.modules():
+        if isinstance(module, nn.TransformerEncoder) and any(
+            isinstance(layer, TensorParallelModule) for layer in module.layers
+        ):
+            module.use_nested_tensor = False
