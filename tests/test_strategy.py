@@ -60,12 +60,6 @@ def test_the_sagemaker_environment_variable_overrides_the_script(monkeypatch):
     assert strategy.config.microbatches == 8
 
 
-@pytest.mark.parametrize("name", ["tensor_parallel_degree"])
-def test_model_parallel_degrees_are_refused_until_they_exist(name):
-    with pytest.raises(ValueError, match=f"{name}=2: .* not available yet.*Set {name}=1"):
-        SMPStrategy(**{name: 2})
-
-
 def test_settings_without_effect_say_so():
     with pytest.warns(UserWarning, match="offload_activations=True has no effect"):
         SMPStrategy(offload_activations=True)
