@@ -5,6 +5,7 @@ variants for notebooks); ``from lightning_smp import smp`` gives the smp-compati
 """
 
 from lightning_smp import smp
+from lightning_smp.checkpoint import consolidate_checkpoint
 from lightning_smp.config import SMPConfig
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer
@@ -20,6 +21,7 @@ __all__ = [
     "SMPPrecision",
     "SMPStrategy",
     "StaticLossScaler",
+    "consolidate_checkpoint",
     "smp",
 ]
 

@@ -196,6 +196,11 @@ class MasterWeightOptimizer(Optimizer):
         """The fp32 parameters the inner optimizer updates: the masters, then the params that are fp32 already."""
         return [*self._masters, *self._own_master_params]
 
+    def param_master_pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """Each model parameter with the fp32 tensor updated in its place (itself when already fp32): checkpoints
+        save and load the master under the parameter's name."""
+        return [*zip(self._half_params, self._masters, strict=True), *((p, p) for p in self._own_master_params)]
+
     # -- one update ---------------------------------------------------------------------------------------------
 
     def note_backward(self) -> None:

@@ -10,7 +10,7 @@ bucketed, backward-overlapped gradient all-reduce are exactly DDP's; with one re
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -27,11 +28,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
-from torchmetrics import Metric
+from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
-from lightning_smp import tensor_parallel
 from lightning_smp import topology as topology_builder
 from lightning_smp.config import SMPConfig
 from lightning_smp.optimizer import MasterWeightOptimizer
@@ -43,7 +44,9 @@ __all__ = ["SMPStrategy", "register_strategies"]
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
 
-_NOT_YET = {}
+_NOT_YET = {
+    "tensor_parallel_degree": "tensor parallelism",
+}
 
 
 class SMPStrategy(DDPStrategy):
@@ -102,7 +105,6 @@ class SMPStrategy(DDPStrategy):
         dynamic_loss_args: dict[str, Any] | None = None,
         pipeline_module: str | None = None,
         partition: list[int] | None = None,
-        tensor_parallel_plan: dict[str, str] | None = None,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -209,12 +211,10 @@ class SMPStrategy(DDPStrategy):
         # The model is whole here (built in `configure_model`, same init on every rank); parallelise it before
         # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
-        _reduce_metrics_over_replicas(self.model, self.topology)
         super().setup(trainer)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group and keep this rank's pipeline stage."""
-        model = tensor_parallel.parallelize(model, topology=self.topology, config=self._config)
         if self._config.pipeline_parallel_degree > 1:
             self._pipeline = build_engine(model, topology=self.topology, config=self._config)
         return model
@@ -359,6 +359,62 @@ class SMPStrategy(DDPStrategy):
             )
             module.log(f"skipped_steps{suffix}", optimizer.skipped_steps, on_step=True, on_epoch=False)
 
+    # -- checkpoints: every rank saves and loads its own part (lightning_smp/checkpoint.py) -----------------------
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints load into the fp32 master weights and the optimizers, which exist once `setup` has run.
+        return True
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return checkpointing.model_state_dict(self.lightning_module, self.optimizers)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        return checkpointing.optimizer_state_dict(optimizer, self.lightning_module)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "SMPStrategy writes sharded checkpoints itself and takes no `storage_options`; remove them from "
+                "`trainer.save_checkpoint(...)`."
+            )
+        path = self.broadcast(filepath)  # every rank writes its part into rank 0's path
+        checkpointing.save(checkpoint, path, module=self.lightning_module, run=self._checkpoint_run())
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        module = self.lightning_module
+        return checkpointing.load(
+            self.broadcast(checkpoint_path),
+            module=module,
+            optimizers=self.optimizers,
+            run=self._checkpoint_run(),
+            strict=module.strict_loading,
+            weights_only=weights_only,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # `load_checkpoint` has loaded the weights already, into the masters too
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # `load_checkpoint` has loaded the optimizer states already, by parameter name
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if self.is_global_zero:
+            checkpointing.remove(filepath)
+
+    def _checkpoint_run(self) -> dict[str, Any]:
+        return checkpointing.describe_run(
+            topology=self.topology, config=self._config, precision=str(self.precision_plugin.precision)
+        )
+
     # -- errors and teardown ---------------------------------------------------------------------------------
 
     @override
@@ -380,16 +436,6 @@ class SMPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_strategies(strategy_registry)
-
-
-def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
-    """Make torchmetrics sync over the data-parallel group, as `SMPStrategy.reduce` does: by default a ``Metric``
-    syncs over the whole job, where tensor/pipeline ranks would count the same samples again."""
-    if topology.size("dp") == topology.world_size:
-        return
-    for module in model.modules():
-        if isinstance(module, Metric) and module.process_group is None:
-            module.process_group = topology.group("dp")
 
 
 def _refuse_not_yet_implemented(config: SMPConfig) -> None:

@@ -1,0 +1,399 @@
+"""Sharded checkpoints: resume, resharding, consolidation, atomic saves and the errors a bad checkpoint gives.
+
+Process launches are expensive on the shared CPUs, so one two-rank job (`_dp2_job`) trains, checkpoints, resumes
+and fails a save, one one-rank job (`_dp1_job`) reshards what it wrote, and the tests below read their results.
+Tensor-parallel shards are simulated by hand (the `TPShard` attribute on slices of whole tensors) until the
+tensor-parallel layers are wired into the strategy.
+"""
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.optim.lr_scheduler import StepLR
+
+from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint
+from lightning_smp.checkpoint import CheckpointError
+from lightning_smp.consolidate_checkpoint import main as consolidate_main
+from tests.distributed import run_distributed
+from tests.models import TinyRegressor
+
+STEPS_PER_EPOCH = 4  # 64 samples, 2 ranks x 8 (or 1 rank x 16) per step
+FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**12, "scale_window": 3}}
+
+
+class _Model(TinyRegressor):
+    """AdamW + a per-step StepLR, so optimizer state, LR schedule and (fp16) loss scale all cross the resume."""
+
+    def __init__(self, hidden: int = 16, dropout: float = 0.0, batch_size: int = 8) -> None:
+        super().__init__(hidden=hidden, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), batch_size=batch_size)
+        if dropout:
+            self.net.insert(2, nn.Dropout(dropout))  # its masks come from the RNG the checkpoint carries
+
+    def configure_optimizers(self):
+        optimizer = super().configure_optimizers()
+        scheduler = StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _trainer(strategy_kwargs, dirpath, max_epochs, devices):
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=SMPStrategy(**strategy_kwargs),
+        max_epochs=max_epochs,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, save_last=True)],
+    )
+
+
+def _fit(strategy_kwargs, dirpath, *, devices, batch_size=8, dropout=0.0, hidden=16, ckpt_path=None, max_epochs=3):
+    torch.manual_seed(0)
+    model = _Model(hidden=hidden, dropout=dropout, batch_size=batch_size)
+    trainer = _trainer(strategy_kwargs, dirpath, max_epochs, devices)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    weights = checkpoint.model_state_dict(model, trainer.strategy.optimizers)
+    return trainer, model, {"losses": model.losses, "weights": {k: v.float().clone() for k, v in weights.items()}}
+
+
+def _dp2_job(rank, root):
+    root = Path(root)
+    results = {}
+    for name, kwargs, dropout in (("fp32", {}, 0.1), ("fp16", FP16, 0.0)):
+        _, model, full = _fit(kwargs, root / name, devices=2, dropout=dropout)
+        _, _, resumed = _fit(
+            kwargs, root / name / "resumed", devices=2, dropout=dropout, ckpt_path=root / name / "epoch=0-step=4.ckpt"
+        )
+        model.eval()
+        full["outputs"] = model(torch.linspace(-1, 1, 40).view(5, 8).to(next(model.parameters()).dtype)).float()
+        results[name] = {"full": full, "resumed": resumed}
+    results["failed_save"] = _fail_a_save(rank, root / "fp16")
+    _save_tensor_parallel(rank, root / "tp.ckpt")
+    return results
+
+
+def _write_half_then_fail(writer, plan, planner):
+    """Rank 1's shard writer: half a file, then an error, as when a disk fills or a node dies mid-save."""
+    (Path(writer.path) / "__1_0.distcp").write_bytes(b"half a shard")
+    raise OSError("disk full (simulated)")
+
+
+def _fail_a_save(rank, directory):
+    """Overwrite last.ckpt with different weights while rank 1's write fails; last.ckpt must stay as it was."""
+    trainer, _, _ = _fit(FP16, directory / "again", devices=2, max_epochs=1)
+    for optimizer in trainer.strategy.optimizers:
+        with torch.no_grad():
+            for _, master in optimizer.param_master_pairs():
+                master.mul_(2.0)  # what a successful save would write
+    original = FileSystemWriter.write_data
+    if rank == 1:
+        FileSystemWriter.write_data = _write_half_then_fail
+    try:
+        trainer.save_checkpoint(directory / "last.ckpt")
+        error = None
+    except Exception as exception:
+        error = f"{type(exception).__name__}: {exception}"
+    finally:
+        FileSystemWriter.write_data = original
+    dist.barrier()
+    return {"error": error, "leftovers": sorted(p.name for p in directory.iterdir() if "partial" in p.name)}
+
+
+# -- tensor-parallel shards, by hand ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """The fields of lightning_smp.tensor_parallel.shard.TPShard that checkpoints read."""
+
+    dim: int
+    index: int
+    parts: int
+    blocks: int = 1
+
+
+def _slice(whole, dim, blocks, index, parts):
+    return torch.cat([block.chunk(parts, dim=dim)[index] for block in whole.chunk(blocks, dim=dim)], dim=dim)
+
+
+_TP_SPECS = {"qkv": (0, 3), "row": (1, 1)}  # name -> (dim, blocks); "bias" stays replicated
+
+
+def _whole_module():
+    generator = torch.Generator().manual_seed(1)
+    module = nn.Module()
+    module.qkv = nn.Parameter(torch.randn(12, 4, generator=generator))
+    module.row = nn.Parameter(torch.randn(4, 6, generator=generator))
+    module.bias = nn.Parameter(torch.randn(4, generator=generator))
+    return module
+
+
+def _adam_step(module, shard_of=None):
+    """One AdamW step with fixed gradients (the slice of the whole gradient on a shard)."""
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    grads = {name: p.detach() * 0.5 + 1 for name, p in _whole_module().named_parameters()}
+    for name, param in module.named_parameters():
+        param.grad = shard_of(name, grads[name]) if shard_of else grads[name]
+    optimizer.step()
+    return optimizer
+
+
+def _sharded_module(rank):
+    module = _whole_module()
+    for name, (dim, blocks) in _TP_SPECS.items():
+        piece = nn.Parameter(_slice(getattr(module, name).detach(), dim, blocks, rank, 2))
+        piece._smp_tp_shard = _Shard(dim, rank, 2, blocks)
+        setattr(module, name, piece)
+    return module
+
+
+def _save_tensor_parallel(rank, path):
+    """tp=2 over the two ranks: each holds its slices of qkv (packed, 3 blocks) and row, and the whole bias."""
+    module = _sharded_module(rank)
+
+    def shard_of(name, whole):
+        return _slice(whole, *_TP_SPECS[name], rank, 2) if name in _TP_SPECS else whole
+
+    optimizer = _adam_step(module, shard_of)
+    state = {
+        "state_dict": checkpoint.model_state_dict(module),
+        "optimizer_states": [checkpoint.optimizer_state_dict(optimizer, module)],
+    }
+    checkpoint.save(state, path, module=module, run={"layout": {"dp": 1, "pp": 1, "tp": 2}})
+    # and back into tp=2: each rank gets its own slices and their Adam moments
+    fresh = _sharded_module(rank)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with torch.no_grad():
+        for param in fresh.parameters():
+            param.zero_()
+    checkpoint.load(path, module=fresh, optimizers=[fresh_optimizer], run={"layout": {"dp": 1, "pp": 1, "tp": 2}})
+    for name, param in module.named_parameters():
+        assert torch.equal(getattr(fresh, name), param), name
+        assert torch.equal(fresh_optimizer.state[getattr(fresh, name)]["exp_avg"], optimizer.state[param]["exp_avg"])
+
+
+# -- the one-rank job: a different layout ------------------------------------------------------------------------
+
+
+def _dp1_job(rank, root):
+    root = Path(root)
+    results = {}
+    # dp=2 -> dp=1, the global batch kept (2 x 8 -> 1 x 16)
+    resume = root / "fp16" / "epoch=0-step=4.ckpt"
+    _, _, results["dp1_fp16"] = _fit(FP16, root / "dp1", devices=1, batch_size=16, ckpt_path=resume)
+    _, _, results["dp1_fp32_from_fp16"] = _fit({}, root / "dp1_fp32", devices=1, batch_size=16, ckpt_path=resume)
+    results["different_model"] = _error_of(lambda: _fit(FP16, root / "x", devices=1, hidden=32, ckpt_path=resume))
+    truncated = root / "truncated.ckpt"
+    shutil.copytree(resume, truncated)
+    with open(truncated / "__1_0.distcp", "r+b") as stream:
+        stream.truncate(100)
+    results["truncated"] = _error_of(lambda: _fit(FP16, root / "y", devices=1, ckpt_path=truncated))
+    # tp=2 -> one device: the whole tensors and the whole Adam state of the same step
+    whole = _whole_module()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    checkpoint.load(root / "tp.ckpt", module=whole, optimizers=[optimizer], run={"layout": {"tp": 1}})
+    reference_module = _whole_module()
+    reference = _adam_step(reference_module)
+    for name, param in whole.named_parameters():
+        expected = getattr(reference_module, name)
+        assert torch.equal(param, expected), name
+        assert torch.equal(optimizer.state[param]["exp_avg"], reference.state[expected]["exp_avg"]), name
+    return results
+
+
+def _error_of(function):
+    try:
+        function()
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+# -- the runs, once per module -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("checkpoints")
+
+
+@pytest.fixture(scope="module")
+def dp2(root):
+    return run_distributed(_dp2_job, 2, str(root), timeout=200)
+
+
+@pytest.fixture(scope="module")
+def dp1(root, dp2):
+    (result,) = run_distributed(_dp1_job, 1, str(root), timeout=150)
+    return result
+
+
+def _mean_losses(ranks, name, part):
+    return [(a + b) / 2 for a, b in zip(ranks[0][name][part]["losses"], ranks[1][name][part]["losses"], strict=True)]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["fp32", "fp16"])
+def test_resume_under_the_same_layout_continues_bit_identically(dp2, name):
+    for rank in dp2:
+        full, resumed = rank[name]["full"], rank[name]["resumed"]
+        assert len(full["losses"]) == 3 * STEPS_PER_EPOCH
+        assert resumed["losses"] == full["losses"][STEPS_PER_EPOCH:]  # exact floats, every step after the resume
+        for key, value in full["weights"].items():
+            assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.timeout(300)
+def test_resume_from_dp2_on_one_device_continues_within_fp16_tolerance(dp2, dp1):
+    expected = _mean_losses(dp2, "fp16", "full")[STEPS_PER_EPOCH:]
+    assert dp1["dp1_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+    # and with another precision: the fp32 run continues from the fp16 run's masters
+    assert dp1["dp1_fp32_from_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["fp32", "fp16"])
+def test_consolidation_round_trips_into_the_single_device_model(dp2, root, tmp_path, name):
+    source = root / name / "last.ckpt"
+    if name == "fp32":
+        target = consolidate_checkpoint(source, tmp_path / "model.ckpt")
+    else:  # the command line's entry point
+        assert consolidate_main([str(source), "--output_file", str(tmp_path / "model.ckpt")]) == 0
+        target = tmp_path / "model.ckpt"
+    consolidated = torch.load(target, weights_only=False)
+    model = _Model(dropout=0.1 if name == "fp32" else 0.0)
+    model.load_state_dict(consolidated["state_dict"], strict=True)
+    full = dp2[0][name]["full"]
+    for key, value in consolidated["state_dict"].items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, full["weights"][key]), key  # fp16: the fp32 masters, not the rounded params
+    model.eval()
+    outputs = model(torch.linspace(-1, 1, 40).view(5, 8))
+    if name == "fp32":
+        assert torch.equal(outputs, full["outputs"])
+    else:
+        torch.testing.assert_close(outputs, full["outputs"], rtol=2e-2, atol=2e-3)
+    assert consolidated["global_step"] == 3 * STEPS_PER_EPOCH
+    assert consolidated["lightning_smp"]["layout"]["dp"] == 2
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_shards_reshard_to_one_device(dp2, dp1, root, tmp_path):
+    # the round trips ran inside the jobs (tp2 -> tp2 on two ranks, tp2 -> one device on one); consolidation too:
+    consolidated = torch.load(consolidate_checkpoint(root / "tp.ckpt", tmp_path / "tp.pt"), weights_only=False)
+    _whole_module().load_state_dict(consolidated["state_dict"], strict=True)
+    reference = _whole_module()
+    _adam_step(reference)  # the same step on the whole tensors
+    for name, param in reference.named_parameters():
+        assert torch.equal(consolidated["state_dict"][name], param.detach()), name
+
+
+@pytest.mark.timeout(300)
+def test_a_save_that_fails_midway_leaves_the_previous_checkpoint(dp2, root, tmp_path):
+    for rank in dp2:
+        assert "disk full (simulated)" in rank["failed_save"]["error"]  # every rank raised, none hung
+        assert rank["failed_save"]["leftovers"] == []  # rank 0 deleted the half-written directory
+    consolidated = torch.load(
+        consolidate_checkpoint(root / "fp16" / "last.ckpt", tmp_path / "m.pt"), weights_only=False
+    )
+    for key, value in dp2[0]["fp16"]["full"]["weights"].items():
+        assert torch.equal(consolidated["state_dict"][key], value), key  # the old weights, not the doubled ones
+
+
+def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    path.mkdir()
+    (path / checkpoint.META_FILENAME).write_text("old")
+    staging = tmp_path / ".last.ckpt.partial-1"
+    staging.mkdir()
+    (staging / checkpoint.META_FILENAME).write_text("new")
+    calls = []
+    real_replace = checkpoint.os.replace
+
+    def crash_on_second(source, destination):
+        calls.append(source)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # the process dies between moving the old checkpoint aside and renaming the new
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint.os, "replace", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._publish(staging, path)
+    assert not path.exists()
+    assert checkpoint.resolve(path) == tmp_path / "last.ckpt.previous"  # whole, and loaded with a warning
+    monkeypatch.undo()
+    checkpoint._publish(staging, path)  # the next save of the same name completes the swap
+    assert (path / checkpoint.META_FILENAME).read_text() == "new"
+    assert not (tmp_path / "last.ckpt.previous").exists()
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+def test_loading_into_a_different_model_names_the_shapes(dp1):
+    message = dp1["different_model"]
+    assert "comes from a different model" in message
+    assert "net.0.weight: (16, 8) in the checkpoint, (32, 8) in this model" in message
+
+
+@pytest.mark.timeout(300)
+def test_a_truncated_shard_is_named_on_every_rank_before_anything_loads(dp1):
+    assert "__1_0.distcp (written by rank 1) is truncated: 100 bytes" in dp1["truncated"]
+
+
+def _copy(root, tmp_path):
+    return Path(shutil.copytree(root / "fp32" / "last.ckpt", tmp_path / "bad.ckpt"))
+
+
+@pytest.mark.timeout(300)
+def test_a_corrupted_shard_is_named(dp2, root, tmp_path):
+    bad = _copy(root, tmp_path)
+    data = bytearray((bad / "__0_0.distcp").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bad / "__0_0.distcp").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"__0_0.distcp \(written by rank 0\) is corrupted"):
+        consolidate_checkpoint(bad, tmp_path / "out.pt")
+
+
+@pytest.mark.timeout(300)
+def test_a_missing_rank_file_is_named(dp2, root, tmp_path):
+    bad = _copy(root, tmp_path)
+    (bad / "__1_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp \(written by rank 1\) is missing"):
+        consolidate_checkpoint(bad, tmp_path / "out.pt")
+
+
+@pytest.mark.timeout(300)
+def test_an_unfinished_checkpoint_is_refused(dp2, root, tmp_path):
+    bad = _copy(root, tmp_path)
+    (bad / checkpoint.META_FILENAME).unlink()
+    with pytest.raises(CheckpointError, match="not a complete lightning_smp checkpoint"):
+        consolidate_checkpoint(bad, tmp_path / "out.pt")
+    with pytest.raises(CheckpointError, match="There is no checkpoint at"):
+        consolidate_checkpoint(tmp_path / "nothing.ckpt", tmp_path / "out.pt")
+
+
+def test_names_the_checkpoint_lacks_or_has_extra_are_listed(tmp_path):
+    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+    saved = {
+        f"model/{name}": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), [])
+        for name, shape in {"net.0.weight": (16, 8), "net.0.bias": (16,), "head.weight": (1, 16)}.items()
+    }
+    metadata = Metadata(state_dict_metadata=saved)
+    targets = checkpoint._model_targets(TinyRegressor(), [])
+    problems = checkpoint._model_problems(targets, metadata, strict=True)
+    problems += checkpoint._unexpected_problems(metadata, set(targets))
+    assert "this model has 2 entries the checkpoint lacks: net.2.weight, net.2.bias" in problems[0]
+    assert "it has 1 entries this model lacks: head.weight" in problems[1]
