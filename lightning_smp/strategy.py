@@ -29,10 +29,12 @@ from torch import Tensor
 from torch.distributed import ReduceOp
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
+from lightning_smp import tensor_parallel
 from lightning_smp import topology as topology_builder
 from lightning_smp.config import SMPConfig
 from lightning_smp.optimizer import MasterWeightOptimizer
@@ -44,9 +46,7 @@ __all__ = ["SMPStrategy", "register_strategies"]
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
 
-_NOT_YET = {
-    "tensor_parallel_degree": "tensor parallelism",
-}
+_NOT_YET = {}
 
 
 class SMPStrategy(DDPStrategy):
@@ -105,6 +105,7 @@ class SMPStrategy(DDPStrategy):
         dynamic_loss_args: dict[str, Any] | None = None,
         pipeline_module: str | None = None,
         partition: list[int] | None = None,
+        tensor_parallel_plan: dict[str, str] | None = None,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -211,10 +212,12 @@ class SMPStrategy(DDPStrategy):
         # The model is whole here (built in `configure_model`, same init on every rank); parallelise it before
         # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
+        _reduce_metrics_over_replicas(self.model, self.topology)
         super().setup(trainer)
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group and keep this rank's pipeline stage."""
+        model = tensor_parallel.parallelize(model, topology=self.topology, config=self._config)
         if self._config.pipeline_parallel_degree > 1:
             self._pipeline = build_engine(model, topology=self.topology, config=self._config)
         return model
@@ -436,6 +439,16 @@ class SMPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_strategies(strategy_registry)
+
+
+def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
+    """Make torchmetrics sync over the data-parallel group, as `SMPStrategy.reduce` does: by default a ``Metric``
+    syncs over the whole job, where tensor/pipeline ranks would count the same samples again."""
+    if topology.size("dp") == topology.world_size:
+        return
+    for module in model.modules():
+        if isinstance(module, Metric) and module.process_group is None:
+            module.process_group = topology.group("dp")
 
 
 def _refuse_not_yet_implemented(config: SMPConfig) -> None:
