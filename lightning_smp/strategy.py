@@ -23,10 +23,12 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
+from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
@@ -213,12 +215,21 @@ class SMPStrategy(DDPStrategy):
         # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
         _reduce_metrics_over_replicas(self.model, self.topology)
-        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            super().setup(trainer)
+            return
+        # DDPStrategy.setup broadcasts rank 0's module over the whole job before evaluating, which would overwrite
+        # other pipeline stages' and tensor-parallel shards' weights: only data-parallel replicas share weights.
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        _sync_over_replicas(self.model, self.topology)
+        self.setup_precision_plugin()
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group and keep this rank's pipeline stage."""
         model = tensor_parallel.parallelize(model, topology=self.topology, config=self._config)
-        if self._config.pipeline_parallel_degree > 1:
+        if self._config.pipeline_parallel_degree > 1 and (self._pipeline is None or self._pipeline.module is not model):
             self._pipeline = build_engine(model, topology=self.topology, config=self._config)
         return model
 
@@ -234,7 +245,10 @@ class SMPStrategy(DDPStrategy):
         if self.topology.size("dp") == 1:
             return  # one replica: there is nothing to all-reduce, so skip DDP's bucket copies
         if self._pipeline is not None:
-            return  # several backward passes per step: the pipeline engine all-reduces once, after the schedule
+            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; DDP's
+            # other job, making the replicas start equal, is done here.
+            _sync_over_replicas(self.model, self.topology)
+            return
         super().configure_ddp()
 
     @override
@@ -449,6 +463,12 @@ def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) ->
     for module in model.modules():
         if isinstance(module, Metric) and module.process_group is None:
             module.process_group = topology.group("dp")
+
+
+def _sync_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
+    """Broadcast the first data-parallel replica's parameters and buffers to the others (what DDP does)."""
+    if topology.size("dp") > 1:
+        _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
 
 
 def _refuse_not_yet_implemented(config: SMPConfig) -> None:

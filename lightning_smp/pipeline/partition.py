@@ -208,26 +208,39 @@ def child_weights(children: Sequence[ChildCost], memory_weight: float) -> list[f
 
 
 def balance(weights: Sequence[float], parts: int) -> tuple[int, ...]:
-    """Sizes of ``parts`` consecutive, non-empty groups of ``weights`` minimising the heaviest group (exact,
-    by dynamic programming); among equally heavy splits, the one whose group sizes are most even."""
+    """Sizes of ``parts`` consecutive, non-empty groups of ``weights`` that minimise the heaviest group (exact,
+    by dynamic programming). Among the splits that reach it: the most even weights (least sum of squares, so no
+    group is left without work when it can have some), then the most even sizes."""
     n = len(weights)
     if not 1 <= parts <= n:
         raise ValueError(f"cannot split {n} trunk children into {parts} non-empty stages")
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
-    # best[k][i]: (heaviest group, largest group size) splitting the first i weights into k groups
-    inf = (float("inf"), n + 1)
+
+    def weight(j: int, i: int) -> float:
+        return prefix[i] - prefix[j]
+
+    # pass 1: the least possible heaviest group
+    heaviest = [[float("inf")] * (n + 1) for _ in range(parts + 1)]
+    heaviest[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n - (parts - k) + 1):
+            heaviest[k][i] = min(max(heaviest[k - 1][j], weight(j, i)) for j in range(k - 1, i))
+    limit = heaviest[parts][n] * (1 + 1e-9) + 1e-12
+    # pass 2: among splits within that limit, least (sum of squared weights, sum of squared sizes)
+    inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(parts + 1)]
     cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = (0.0, 0)
+    best[0][0] = (0.0, 0.0)
     for k in range(1, parts + 1):
         for i in range(k, n - (parts - k) + 1):
             for j in range(k - 1, i):
+                if best[k - 1][j] == inf or weight(j, i) > limit:
+                    continue
                 previous = best[k - 1][j]
-                candidate = (max(previous[0], prefix[i] - prefix[j]), max(previous[1], i - j))
-                # compare heaviest group with a tolerance so float noise does not decide between even splits
-                if _better(candidate, best[k][i]):
+                candidate = (previous[0] + weight(j, i) ** 2, previous[1] + (i - j) ** 2)
+                if _less(candidate, best[k][i]):
                     best[k][i], cut[k][i] = candidate, j
     sizes = []
     i = n
@@ -238,7 +251,8 @@ def balance(weights: Sequence[float], parts: int) -> tuple[int, ...]:
     return tuple(reversed(sizes))
 
 
-def _better(candidate: tuple[float, int], incumbent: tuple[float, int]) -> bool:
+def _less(candidate: tuple[float, float], incumbent: tuple[float, float]) -> bool:
+    """Lexicographic, with a relative tolerance on the first key so float noise does not decide."""
     tolerance = 1e-9 * max(1.0, abs(incumbent[0])) if incumbent[0] != float("inf") else 0.0
     if candidate[0] < incumbent[0] - tolerance:
         return True

@@ -78,6 +78,14 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         default=config.default_partition,
     )
     tied, outside = _classify_parameters(module, plan)
+    if not tied and not outside:
+        empty = [s for s in range(plan.stages) if not any(plan.children[i].params for i in plan.owned(s))]
+        if empty:
+            raise ValueError(
+                f"pipeline stage {empty[0]} would hold no parameters ({plan.table().splitlines()[2 + empty[0]]}), "
+                "and torch optimizers refuse an empty parameter list. Give every stage a child with parameters "
+                f"with partition=(...) (now {plan.sizes}), or use fewer stages."
+            )
     rank_zero_info(
         plan.table(
             outside_params=sum(p.numel() for p in {id(p): p for p in tied + [p for _, p in outside]}.values()),
@@ -146,6 +154,11 @@ class PipelineEngine:
     @property
     def plan(self) -> PartitionPlan:
         return self._plan
+
+    @property
+    def module(self) -> pl.LightningModule:
+        """The LightningModule whose trunk this engine routes (a later fit/validate/test reuses the engine)."""
+        return self._module
 
     @property
     def tied_parameters(self) -> list[nn.Parameter]:
