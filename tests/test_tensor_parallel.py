@@ -82,12 +82,24 @@ class _TinyGPT(pl.LightningModule):
         self.log("samples", self.samples, on_step=False, on_epoch=True)
         return loss
 
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        ids, target = batch
+        loss = F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())
+        self.log("val_loss", loss, sync_dist=True)  # a mean over the data-parallel replicas only
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> DataLoader:
-        tokens = torch.randint(0, VOCAB, (STEPS * GLOBAL_BATCH, SEQ + 1), generator=torch.Generator().manual_seed(1))
-        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=self.per_rank_batch)
+        return DataLoader(self._tokens(STEPS * GLOBAL_BATCH, seed=1), batch_size=self.per_rank_batch)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self._tokens(2 * GLOBAL_BATCH, seed=3), batch_size=self.per_rank_batch)
+
+    @staticmethod
+    def _tokens(samples: int, seed: int) -> TensorDataset:
+        tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
 class _ResidualMlp(nn.Module):
@@ -156,7 +168,9 @@ class _Record(Callback):
             self.norms.append(optimizer.clip_master_grads(math.inf).item())
 
 
-def _fit(rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: str | None = None) -> dict:
+def _fit(
+    rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: str | None = None, validate: bool = False
+) -> dict:
     recorder = _Record(gradients=not strategy_kwargs.get("fp16"))
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -168,18 +182,24 @@ def _fit(rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: 
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[recorder],
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=2,  # validation runs once, after fit (a second setup of the split model)
     )
     with pytest.warns(UserWarning, match=warns) if warns and rank == 0 else nullcontext():
         trainer.fit(model)
+    metrics = trainer.callback_metrics
+    samples = metrics["samples"].item() if "samples" in metrics else None  # before validate replaces the metrics
+    val_loss = trainer.validate(model, verbose=False)[0]["val_loss"] if validate else None
     optimizer = trainer.strategy.optimizers[0]
     return {
         "losses": model.losses,
+        "val_loss": val_loss,
         "initial": recorder.initial if rank == 0 else None,  # whole tensors: the same on every rank
         "grads": recorder.grads if rank == 0 else None,
         "norms": recorder.norms,
         "skipped": optimizer.skipped_steps.item() if hasattr(optimizer, "skipped_steps") else None,
         "scale": optimizer.loss_scale if hasattr(optimizer, "loss_scale") else None,
-        "samples": trainer.callback_metrics["samples"].item() if "samples" in trainer.callback_metrics else None,
+        "samples": samples,
         "local_params": sum(p.numel() for p in model.parameters()),
         "sharded": sorted(name for name, p in model.named_parameters() if shard_of(p) is not None),
     }
@@ -202,7 +222,7 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
         dp = world // tp
         batch, key, degree = GLOBAL_BATCH // dp, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}
         warning = _SHARED_WEIGHT if tp > 1 else None
-        results[f"gpt_{key}"] = _fit(rank, _TinyGPT(batch), degree, warns=warning)
+        results[f"gpt_{key}"] = _fit(rank, _TinyGPT(batch), degree, warns=warning, validate=True)
         if everything:
             results[f"gpt_fp16_{key}"] = _fit(rank, _TinyGPT(batch), {**FP16, **degree}, warns=warning)
             results[f"mlp_{key}"] = _fit(rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN})
@@ -232,6 +252,8 @@ def _assert_matches(runs: list[dict], reference: dict, *, rel: float = 1e-5) -> 
     mean_losses = [sum(step) / len(step) for step in zip(*(run["losses"] for run in runs), strict=True)]
     assert len(mean_losses) == STEPS >= 10
     assert mean_losses == pytest.approx(reference["losses"], rel=rel)
+    if reference["val_loss"] is not None:  # trainer.validate after fit: eval mode, no grad, a second setup
+        assert all(run["val_loss"] == pytest.approx(reference["val_loss"], rel=rel) for run in runs)
     first = runs[0]
     assert first["initial"].keys() == reference["initial"].keys()
     for name, value in reference["initial"].items():

@@ -33,6 +33,8 @@ __all__ = ["parallelize"]
 log = logging.getLogger(__name__)
 
 _BROADCAST_BUCKET_BYTES = 64 * 2**20
+# Set on the root module by the first call: later calls (trainer.validate after fit) sync and warn only for news.
+_DONE_ATTRIBUTE = "_smp_tp_parallelized"
 
 
 def parallelize(model: nn.Module, *, topology: Topology, config: SMPConfig) -> nn.Module:
@@ -45,16 +47,18 @@ def parallelize(model: nn.Module, *, topology: Topology, config: SMPConfig) -> n
     plan = plan_tensor_parallel(model, tp_size=tp_size, patterns=config.tensor_parallel_plan)
     if tp_size == 1:
         return model
-    _warn_about(plan, tp_size)
-    group = topology.group("tp")
-    device = _collective_device(topology)
-    if plan.units:
+    first_call = _DONE_ATTRIBUTE not in model.__dict__
+    model.__dict__[_DONE_ATTRIBUTE] = True
+    if first_call or plan.units:
+        _warn_about(plan, tp_size)
+        # even with nothing to split the tp ranks must hold one model: they train on the same batches
+        group, device = topology.group("tp"), _collective_device(topology)
         _broadcast_unsharded_state(model, group, device)
         sync_default_generator(group, device)
     seed = tensor_parallel_seed(
         config.tensor_parallel_seed, tp_rank=topology.rank("tp"), tp_size=tp_size, pp_rank=topology.rank("pp")
     )
-    tp = TensorParallel(group=group, rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
+    tp = TensorParallel(group=topology.group("tp"), rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
     shared: dict[int, nn.Parameter] = {}
     for unit in plan.units:
         if type(unit.module) is not unit.target:
