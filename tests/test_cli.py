@@ -1,0 +1,169 @@
+"""The ``lightning-smp`` command (LightningCLI): strategy by name or class path, every smp parameter and the
+SageMaker dict from YAML, the precision trap, both entry points, and the example configs run briefly on CPU."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+from lightning_smp import SMPConfig, SMPPrecision, SMPStrategy, cli
+from lightning_smp.strategy import _NOT_YET
+
+_ROOT = Path(__file__).resolve().parents[1]
+_CONFIGS = _ROOT / "examples" / "configs"
+_BORING = "lightning.pytorch.demos.boring_classes"
+
+
+@pytest.fixture(autouse=True)
+def _isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # LightningCLI writes lightning_logs/ into the working directory
+    monkeypatch.setattr(sys, "argv", ["lightning-smp"])
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
+
+
+def _parse(tmp_path: Path, trainer: dict[str, Any]) -> SMPStrategy:
+    """Build (not run) the CLI from a YAML config with this ``trainer`` section; return the trainer's strategy."""
+    config = {
+        "model": {"class_path": f"{_BORING}.BoringModel"},
+        "trainer": {"accelerator": "cpu", "devices": 1, "logger": False, **trainer},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    trainer_obj = cli.make_cli(["--config", str(path)], run=False).trainer
+    strategy = trainer_obj.strategy
+    assert isinstance(strategy, SMPStrategy)
+    # the precision trap: the strategy's own plugin survives the CLI path and is the trainer's
+    assert isinstance(trainer_obj.precision_plugin, SMPPrecision)
+    assert trainer_obj.precision_plugin is strategy.precision_plugin
+    return strategy
+
+
+def test_strategy_by_registered_name(tmp_path: Path) -> None:
+    strategy = _parse(tmp_path, {"strategy": "smp_fp16"})
+    assert strategy.config.fp16
+    assert strategy.precision_plugin.dtype is not None
+
+
+def test_strategy_defaults_to_smp_in_fp32(tmp_path: Path) -> None:
+    strategy = _parse(tmp_path, {})
+    assert strategy.config == SMPConfig()
+    assert strategy.precision_plugin.dtype is None
+
+
+def _non_default_values() -> dict[str, Any]:
+    """A valid value for every SMPConfig field, changed from the default wherever that is possible today."""
+    values = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
+    values.update(
+        microbatches=4,
+        pipeline="simple",
+        optimize="memory",
+        placement_strategy="spread",
+        auto_partition=False,
+        default_partition=0,
+        memory_weight=0.5,
+        active_microbatches=2,
+        fp16=True,
+        prescaled_batch=True,
+        tensor_parallel_seed=7,
+        dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2},
+        pipeline_module="layer",
+        partition=[1],
+    )
+    return values
+
+
+def test_class_path_takes_every_smp_parameter(tmp_path: Path) -> None:
+    values = _non_default_values()
+    strategy = _parse(tmp_path, {"strategy": {"class_path": "lightning_smp.SMPStrategy", "init_args": values}})
+    assert strategy.config == SMPConfig(**values)
+
+
+def test_class_path_takes_the_sagemaker_smp_options_dict(tmp_path: Path) -> None:
+    smp_options = {"enabled": True, "parameters": {"partitions": 1, "microbatches": 4, "fp16": True, "ddp": True}}
+    strategy = _parse(
+        tmp_path,
+        {"strategy": {"class_path": "lightning_smp.SMPStrategy", "init_args": {"smp_options": smp_options}}},
+    )
+    assert strategy.config == SMPConfig(microbatches=4, fp16=True, ddp=True)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true", "bf16-mixed"])
+def test_precision_next_to_the_strategy_gives_the_clear_error(tmp_path: Path, precision: str) -> None:
+    with pytest.raises(MisconfigurationException, match="SMPStrategy chooses the precision itself"):
+        _parse(tmp_path, {"strategy": "smp_fp16", "precision": precision})
+
+
+def test_unknown_smp_key_in_yaml_names_the_near_key(tmp_path: Path) -> None:
+    init_args = {"smp_options": {"parameters": {"microbatch": 4}}}
+    with pytest.raises(ValueError, match="did you mean 'microbatches'"):
+        _parse(tmp_path, {"strategy": {"class_path": "lightning_smp.SMPStrategy", "init_args": init_args}})
+
+
+# -- end to end: both entry points, the example configs ------------------------------------------------------
+
+_BRIEF = [  # a brief CPU run of any config
+    "--trainer.accelerator=cpu",
+    "--trainer.max_steps=2",
+    "--trainer.val_check_interval=2",
+    "--trainer.limit_val_batches=1",
+    "--trainer.log_every_n_steps=1",
+    "--trainer.enable_model_summary=false",
+    "--trainer.enable_progress_bar=false",
+]
+
+
+def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+def _not_yet(config_path: Path) -> str | None:
+    """The feature a config needs that `lightning_smp.strategy._NOT_YET` still lists, or None."""
+    strategy = yaml.safe_load(config_path.read_text())["trainer"].get("strategy")
+    if not isinstance(strategy, dict):
+        return None
+    init_args = dict(strategy.get("init_args", {}))
+    smp_options = init_args.pop("smp_options", None)
+    config = SMPConfig.from_sources(
+        {key: value for key, value in init_args.items() if key in {f.name for f in dataclasses.fields(SMPConfig)}},
+        smp_options=smp_options,
+        environ={},
+    )
+    needs = [feature for name, feature in _NOT_YET.items() if getattr(config, name) != 1]
+    return " and ".join(needs) or None
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in _CONFIGS.glob("*.yaml")))
+def test_example_config_runs_briefly_on_cpu(name: str, tmp_path: Path) -> None:
+    """Each config, 2 steps on CPU from the repository root; dp.yaml through the console script (whose
+    ``sys.path`` starts at the venv's bin/, so this also checks that the working directory is importable), the
+    others through ``python -m lightning_smp``."""
+    config = _CONFIGS / f"{name}.yaml"
+    missing = _not_yet(config)
+    if missing:
+        pytest.skip(f"{name}.yaml needs {missing}, not available yet (lightning_smp.strategy._NOT_YET)")
+    if name == "dp":
+        script = Path(sys.executable).with_name("lightning-smp")
+        assert script.exists(), "the console script is missing: run `pip install -e .` (scripts/setup.sh does)"
+        command = [str(script)]
+    else:
+        command = [sys.executable, "-m", "lightning_smp"]
+    extra = [f"--trainer.default_root_dir={tmp_path}", "--data.num_files=3", "--data.batch_size=8"]
+    _run([*command, "fit", "--config", str(config), *_BRIEF, *extra], cwd=_ROOT)
+    metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
+    assert "train_loss" in metrics and "val_loss" in metrics
+    if "fp16" in config.read_text():
+        assert "loss_scale" in metrics
+    assert (tmp_path / "lightning_logs" / "version_0" / "config.yaml").exists(), "LightningCLI saved no config"
+
+
+def test_example_configs_cover_dp_tp_pp_and_all_three() -> None:
+    assert {path.stem for path in _CONFIGS.glob("*.yaml")} >= {"dp", "tp", "pp", "pp_tp_dp"}
