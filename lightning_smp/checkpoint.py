@@ -161,17 +161,26 @@ def describe_run(*, topology: Any, config: Any, precision: str) -> dict[str, Any
 # -- saving ---------------------------------------------------------------------------------------------------
 
 
-def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, module: nn.Module, run: dict[str, Any]) -> None:
+def save(
+    checkpoint: dict[str, Any],
+    path: str | os.PathLike,
+    *,
+    module: nn.Module,
+    run: dict[str, Any],
+    owned: set[str] | None = None,
+) -> None:
     """Write Lightning's ``checkpoint`` dict to the directory ``path``; collective, every rank calls it.
 
     ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` are what `model_state_dict` and
-    `optimizer_state_dict` return on this rank; ``run`` is `describe_run`'s record. The checkpoint is written to
+    `optimizer_state_dict` return on this rank; ``run`` is `describe_run`'s record. ``owned`` names the parameters
+    whose copy on this rank is the trained one (a pipeline stage also holds stale copies of parameters another
+    stage trains); only those are written from here. None: every parameter this rank holds. The checkpoint is written to
     a hidden temporary directory beside ``path`` and renamed to ``path`` only once every rank's files and the
     metadata are on disk, so a crash at any point leaves the previous checkpoint (and nothing that looks whole).
     """
     path = Path(path)
     rank = dist.get_rank()
-    entries, rest = _split_for_storage(checkpoint, module, rank)
+    entries, rest = _split_for_storage(checkpoint, module, rank, owned)
     staging = Path(_broadcast_object(str(_staging_path(path)) if rank == 0 else None))
     if rank == 0:
         _remove_stale_staging(path)
@@ -203,25 +212,30 @@ def save(checkpoint: dict[str, Any], path: str | os.PathLike, *, module: nn.Modu
     log.debug("saved checkpoint %s", path)
 
 
-def _split_for_storage(checkpoint: dict[str, Any], module: nn.Module, rank: int) -> tuple[dict[str, Any], dict]:
+def _split_for_storage(
+    checkpoint: dict[str, Any], module: nn.Module, rank: int, owned: set[str] | None
+) -> tuple[dict[str, Any], dict]:
     """DCP entries (tensors and everything per rank) and the rest (identical on every rank; rank 0 writes it)."""
     rest = dict(checkpoint)
     model_state = rest.pop("state_dict", {})
     optimizer_states = rest.pop("optimizer_states", None)
     shards = _shards_by_name(module)
+    params = _params_by_name(module)
+    stale = set(params) - owned if owned is not None else set()
     entries: dict[str, Any] = {
-        f"{_MODEL}{name}": _stored(value, shards.get(name)) for name, value in model_state.items()
+        f"{_MODEL}{name}": _stored(value, shards.get(name)) for name, value in model_state.items() if name not in stale
     }
     if optimizer_states is not None:
-        params = _params_by_name(module)
         rest["optimizer_states"] = []
         for index, optimizer_state in enumerate(optimizer_states):
             for name, values in optimizer_state["state"].items():
+                if name in stale:
+                    continue
                 for key, value in values.items():
                     entry = f"{_OPTIM}{index}/state/{name}/{key}"
                     entries[entry] = _stored_like_param(value, params.get(name), shards.get(name), entry)
             rest["optimizer_states"].append({k: v for k, v in optimizer_state.items() if k != "state"})
-    entries[f"{_RNG}{rank}"] = _rng_states()
+    entries[f"{_RNG}{rank}"] = _rng_states(module)
     return entries, rest
 
 
@@ -366,7 +380,7 @@ def load(
     for plan, optimizer, saved in zip(plans, optimizers, saved_optimizers or [], strict=False):
         _load_optimizer(plan, optimizer, saved, targets)
     if targets.get(rng_key) is not None:
-        _set_rng_states(targets[rng_key])
+        _set_rng_states(targets[rng_key], module)
     elif not same_layout:
         log.info(
             "lightning_smp: the checkpoint was written with layout %s, this run is %s: its model, optimizer and "
@@ -844,8 +858,11 @@ def _shards_by_name(module: nn.Module) -> dict[str, Any]:
 # -- random generators -------------------------------------------------------------------------------------------
 
 
-def _rng_states() -> dict[str, Any]:
+def _rng_states(module: nn.Module) -> dict[str, Any]:
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    tensor_parallel = _tensor_parallel_rng(module)
+    if tensor_parallel is not None:
+        states["tensor_parallel"] = tensor_parallel.state_dict()
     try:
         import numpy as np
 
@@ -857,8 +874,11 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
-def _set_rng_states(states: dict[str, Any]) -> None:
+def _set_rng_states(states: dict[str, Any], module: nn.Module) -> None:
     torch.set_rng_state(states["torch"])
+    tensor_parallel = _tensor_parallel_rng(module)
+    if tensor_parallel is not None and "tensor_parallel" in states:
+        tensor_parallel.load_state_dict(states["tensor_parallel"])
     random.setstate(states["python"])
     if "numpy" in states:
         import numpy as np
@@ -866,6 +886,16 @@ def _set_rng_states(states: dict[str, Any]) -> None:
         np.random.set_state(states["numpy"])
     if "cuda" in states and torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def _tensor_parallel_rng(module: nn.Module) -> Any:
+    """The dropout stream of this rank's sharded regions (one per rank, shared by its tensor-parallel layers:
+    ``module._tp.rng``, see lightning_smp/tensor_parallel/base.py), or None without tensor parallelism."""
+    for layer in module.modules():
+        context = getattr(layer, "_tp", None)
+        if context is not None and hasattr(context, "rng"):
+            return context.rng
+    return None
 
 
 # -- files and processes -------------------------------------------------------------------------------------------

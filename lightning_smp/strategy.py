@@ -400,7 +400,8 @@ class SMPStrategy(DDPStrategy):
                 "`trainer.save_checkpoint(...)`."
             )
         path = self.broadcast(filepath)  # every rank writes its part into rank 0's path
-        checkpointing.save(checkpoint, path, module=self.lightning_module, run=self._checkpoint_run())
+        owned = self._pipeline.owned_parameter_names() if self._pipeline is not None else None
+        checkpointing.save(checkpoint, path, module=self.lightning_module, run=self._checkpoint_run(), owned=owned)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

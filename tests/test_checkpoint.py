@@ -1,11 +1,12 @@
 """Sharded checkpoints: resume, resharding, consolidation, atomic saves and the errors a bad checkpoint gives.
 
-Process launches are expensive on the shared CPUs, so one two-rank job (`_dp2_job`) trains, checkpoints, resumes
-and fails a save, one one-rank job (`_dp1_job`) reshards what it wrote, and the tests below read their results.
-Tensor-parallel shards are simulated by hand (the `TPShard` attribute on slices of whole tensors) until the
-tensor-parallel layers are wired into the strategy.
+Process launches are expensive on the shared CPUs, so three jobs do all the work and the tests read their results:
+a four-rank job trains a small GPT under pp=2 x tp=2 and resumes it; a two-rank job trains and resumes data-parallel
+runs, fails a save, and resumes the GPT under tp=2 and pp=2; a one-rank job resumes both on one device. A
+checkpoint-level round trip of hand-made tensor-parallel shards (packed q/k/v blocks, Adam moments) runs inside them.
 """
 
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +15,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import ModelCheckpoint
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint
+from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
 from lightning_smp.checkpoint import CheckpointError
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
 from tests.distributed import run_distributed
@@ -70,14 +73,15 @@ def _dp2_job(rank, root):
     root = Path(root)
     results = {}
     for name, kwargs, dropout in (("fp32", {}, 0.1), ("fp16", FP16, 0.0)):
-        _, model, full = _fit(kwargs, root / name, devices=2, dropout=dropout)
+        trainer, model, full = _fit(kwargs, root / name, devices=2, dropout=dropout)
         _, _, resumed = _fit(
             kwargs, root / name / "resumed", devices=2, dropout=dropout, ckpt_path=root / name / "epoch=0-step=4.ckpt"
         )
         model.eval()
         full["outputs"] = model(torch.linspace(-1, 1, 40).view(5, 8).to(next(model.parameters()).dtype)).float()
         results[name] = {"full": full, "resumed": resumed}
-    results["failed_save"] = _fail_a_save(rank, root / "fp16")
+    results["failed_save"] = _fail_a_save(rank, trainer, root / "fp16")
+    results["gpt"] = _resume_gpt(["tp2", "pp2"], root)
     _save_tensor_parallel(rank, root / "tp.ckpt")
     return results
 
@@ -88,9 +92,8 @@ def _write_half_then_fail(writer, plan, planner):
     raise OSError("disk full (simulated)")
 
 
-def _fail_a_save(rank, directory):
+def _fail_a_save(rank, trainer, directory):
     """Overwrite last.ckpt with different weights while rank 1's write fails; last.ckpt must stay as it was."""
-    trainer, _, _ = _fit(FP16, directory / "again", devices=2, max_epochs=1)
     for optimizer in trainer.strategy.optimizers:
         with torch.no_grad():
             for _, master in optimizer.param_master_pairs():
@@ -107,6 +110,94 @@ def _fail_a_save(rank, directory):
         FileSystemWriter.write_data = original
     dist.barrier()
     return {"error": error, "leftovers": sorted(p.name for p in directory.iterdir() if "partial" in p.name)}
+
+
+# -- a small GPT under pipeline and tensor parallelism ---------------------------------------------------------
+
+VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
+GPT_FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**10, "scale_window": 3}}
+GPT_LAYOUTS = {
+    "pp2_tp2": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
+    "tp2": {"tensor_parallel_degree": 2},
+    "pp2": {"pipeline_parallel_degree": 2, "microbatches": 2},
+    "one_device": {},
+}
+
+
+class _GPT(pl.LightningModule):
+    """Embeddings, a ModuleList trunk of torch transformer layers (packed q/k/v: split in three blocks under
+    tensor parallelism), a head tied to the token embedding; built in `configure_model` like smp models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        torch.manual_seed(0)
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            self.tok = nn.Embedding(VOCAB, WIDTH)
+            self.pos = nn.Embedding(SEQ, WIDTH)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(2)
+            )
+            self.norm = nn.LayerNorm(WIDTH)
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids):
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # (B, T, W)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=h.dtype)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.head(self.norm(h))  # (B, T, V)
+
+    def training_step(self, batch, batch_idx):
+        ids, target = batch
+        return F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
+
+    def train_dataloader(self):
+        tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(1))
+        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+
+
+class _StepLosses(Callback):
+    """The step's loss as every rank sees it (a pipeline's last stage broadcasts it)."""
+
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def _fit_gpt(layout, dirpath, ckpt_path=None):
+    torch.manual_seed(0)
+    losses = _StepLosses()
+    trainer = _trainer({**GPT_LAYOUTS[layout], **GPT_FP16}, dirpath, 2, int(os.environ["WORLD_SIZE"]))
+    trainer.callbacks.append(losses)
+    trainer.fit(_GPT(), ckpt_path=ckpt_path)
+    return losses.losses
+
+
+def _pp2_tp2_job(rank, root):
+    """The uninterrupted run, and its resume under the same layout."""
+    gpt = Path(root) / "gpt"
+    return {
+        "full": _fit_gpt("pp2_tp2", gpt),
+        "resumed": _fit_gpt("pp2_tp2", gpt / "resumed", gpt / "epoch=0-step=4.ckpt"),
+    }
+
+
+def _resume_gpt(layouts, root):
+    gpt = Path(root) / "gpt"
+    return {layout: _fit_gpt(layout, gpt / layout, gpt / "epoch=0-step=4.ckpt") for layout in layouts}
 
 
 # -- tensor-parallel shards, by hand ---------------------------------------------------------------------------
@@ -198,6 +289,7 @@ def _dp1_job(rank, root):
     with open(truncated / "__1_0.distcp", "r+b") as stream:
         stream.truncate(100)
     results["truncated"] = _error_of(lambda: _fit(FP16, root / "y", devices=1, ckpt_path=truncated))
+    results["gpt"] = _resume_gpt(["one_device"], root)
     # tp=2 -> one device: the whole tensors and the whole Adam state of the same step
     whole = _whole_module()
     optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
@@ -228,7 +320,12 @@ def root(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dp2(root):
+def pp2_tp2(root):
+    return run_distributed(_pp2_tp2_job, 4, str(root), timeout=200)
+
+
+@pytest.fixture(scope="module")
+def dp2(root, pp2_tp2):
     return run_distributed(_dp2_job, 2, str(root), timeout=200)
 
 
@@ -251,6 +348,22 @@ def test_resume_under_the_same_layout_continues_bit_identically(dp2, name):
         assert resumed["losses"] == full["losses"][STEPS_PER_EPOCH:]  # exact floats, every step after the resume
         for key, value in full["weights"].items():
             assert torch.equal(resumed["weights"][key], value), key
+
+
+@pytest.mark.timeout(300)
+def test_pp2_tp2_resume_under_the_same_layout_continues_bit_identically(pp2_tp2):
+    for rank in pp2_tp2:
+        assert len(rank["full"]) == 2 * STEPS_PER_EPOCH
+        assert rank["resumed"] == rank["full"][STEPS_PER_EPOCH:]
+
+
+@pytest.mark.timeout(300)
+def test_pp2_tp2_resumes_under_tp2_pp2_and_one_device_within_fp16_tolerance(pp2_tp2, dp2, dp1):
+    expected = pp2_tp2[0]["full"][STEPS_PER_EPOCH:]
+    resumed = {**dp2[0]["gpt"], **dp1["gpt"]}
+    assert set(resumed) == {"tp2", "pp2", "one_device"}
+    for layout, losses in resumed.items():
+        assert losses == pytest.approx(expected, rel=2e-2), layout
 
 
 @pytest.mark.timeout(300)
