@@ -1,0 +1,317 @@
+"""Pipeline efficiency of SMPStrategy(pipeline_parallel_degree=2) against the ideal, and against torch's own
+schedules on the same split — all ratios measured in one run, on CPU with one thread per process.
+
+Model: ``--blocks`` MLP blocks (Linear(width, width) + ReLU), MSE loss, SGD; a batch of ``--batch`` rows cut
+into m microbatches (m = ``--microbatches``, default 2, 4, 8). Per m, the seconds per training step of:
+
+- ``single``: one process on one core running the m microbatches one after another (gradient accumulation),
+  the whole model; plain PyTorch, so it carries no framework overhead (the strictest baseline);
+- ``half``: two independent single-thread processes at the same time, each with half the model and no
+  communication. ``B = single / half`` is the most two processes can give on this machine (not 2: shared memory
+  bandwidth and caches), and the ideal pipeline speed-up is ``B * m / (m + p - 1)`` with p = 2 stages;
+- ``smp_1f1b`` / ``smp_gpipe``: a real ``Trainer.fit`` with ``SMPStrategy(pipeline_parallel_degree=2,
+  microbatches=m, pipeline="interleaved" | "simple")`` (GPipe with ``active_microbatches=m``), Lightning's
+  loop, hooks and the optimizer step included; timed from one ``on_train_batch_start`` to the next;
+- ``torch_gpipe`` / ``torch_1f1b``: ``torch.distributed.pipelining`` (PipelineStage, ScheduleGPipe /
+  Schedule1F1B) on the same two halves, gloo, the same optimizer step.
+
+Each is the median step time over ``--steps`` steps after ``--warmup``, the best of ``--rounds`` rounds (rounds
+run the kinds in turn, so drift of a shared machine hits them alike). Printed: step times, speed-ups over
+``single``, and each pipeline's speed-up as a fraction of the ideal. ``--out`` writes the JSON.
+
+    python benchmarks/pipeline_bench.py --out pipeline_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+STAGES = 2
+
+
+def _model(width: int, blocks: int) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)))
+
+
+def _data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(args.batch, args.width, generator=generator), torch.randn(
+        args.batch, args.width, generator=generator
+    )
+
+
+def _time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
+    for _ in range(args.warmup):
+        step()
+    times = []
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# -- the kinds ----------------------------------------------------------------------------------------------------
+
+
+def _accumulate(model: nn.Module, args: argparse.Namespace, microbatches: int) -> float:
+    """Seconds per step of ``model`` over the m microbatches one after another (gradient accumulation)."""
+    x, y = _data(args)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+    pieces = list(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True))
+
+    def step() -> None:
+        optimizer.zero_grad()
+        for xs, ys in pieces:
+            (nn.functional.mse_loss(model(xs), ys) / microbatches).backward()
+        optimizer.step()
+
+    return _time_steps(step, args)
+
+
+def _single(rank: int, args: argparse.Namespace, out: Any) -> None:
+    out.put({m: _accumulate(_model(args.width, args.blocks), args, m) for m in args.microbatches})
+
+
+def _half(rank: int, args: argparse.Namespace, out: Any, barrier: Any) -> None:
+    half = args.blocks // STAGES
+    model = _model(args.width, args.blocks)[rank * half : (rank + 1) * half]
+    result = {}
+    for m in args.microbatches:
+        barrier.wait()  # both halves run at the same time, as pipeline stages would
+        result[m] = _accumulate(model, args, m)
+    out.put((rank, result))
+
+
+def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_smp import SMPStrategy
+
+    class Blocks(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = _model(args.width, args.blocks)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.blocks(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    class StepTimes(Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.starts.append(time.perf_counter())
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    batch = _data(args)
+    result = {}
+    for name, pipeline, active in (("smp_1f1b", "interleaved", None), ("smp_gpipe", "simple", "m")):
+        for m in args.microbatches:
+            timer = StepTimes()
+            strategy = SMPStrategy(
+                pipeline_parallel_degree=STAGES,
+                microbatches=m,
+                pipeline=pipeline,
+                active_microbatches=m if active else None,
+            )
+            trainer = pl.Trainer(
+                accelerator="cpu",
+                devices=STAGES,
+                strategy=strategy,
+                max_steps=args.warmup + args.steps,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                use_distributed_sampler=False,
+                callbacks=[timer],
+            )
+            loader = torch.utils.data.DataLoader([batch] * (args.warmup + args.steps), batch_size=None)
+            trainer.fit(Blocks(), train_dataloaders=loader)
+            steps = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
+            result[(name, m)] = statistics.median(steps[args.warmup :])
+    out.put((rank, result))
+
+
+def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    half = args.blocks // STAGES
+    module = _model(args.width, args.blocks)[rank * half : (rank + 1) * half]
+    optimizer = torch.optim.SGD(module.parameters(), lr=1e-4)
+    x, y = _data(args)
+    result = {}
+    for name, schedule_class in (("torch_gpipe", ScheduleGPipe), ("torch_1f1b", Schedule1F1B)):
+        for m in args.microbatches:
+            stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
+            schedule = schedule_class(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+
+            def step(schedule: Any = schedule) -> None:
+                optimizer.zero_grad()
+                if rank == 0:
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+                optimizer.step()
+
+            result[(name, m)] = _time_steps(step, args)
+    dist.destroy_process_group()
+    out.put((rank, result))
+
+
+# -- orchestration ------------------------------------------------------------------------------------------------
+
+
+def _spawn(
+    target: Callable[..., None], processes: int, args: argparse.Namespace, *extra: Any, env: dict | None = None
+) -> list:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    children = []
+    for rank in range(processes):
+        child_env = {
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(processes),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(processes),
+            "NODE_RANK": "0",
+            "GROUP_RANK": "0",
+            **(env or {}),
+        }
+        child = ctx.Process(target=_child, args=(target, rank, child_env, args, out, *extra))
+        child.start()
+        children.append(child)
+    results = [out.get(timeout=args.timeout) for _ in children]
+    for child in children:
+        child.join(timeout=30)
+    return results
+
+
+def _child(target: Callable[..., None], rank: int, env: dict, args: argparse.Namespace, out: Any, *extra: Any) -> None:
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    import logging
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    target(rank, args, out, *extra)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slowest(per_rank: list, kinds_key: Callable[[Any], Any] = lambda r: r[1]) -> dict:
+    """A pipeline step ends when its slowest rank's does: the max over ranks of each entry."""
+    merged: dict = {}
+    for item in per_rank:
+        for key, value in kinds_key(item).items():
+            merged[key] = max(merged.get(key, 0.0), value)
+    return merged
+
+
+def measure(args: argparse.Namespace) -> dict:
+    best: dict = {}
+
+    def keep(key: Any, seconds: float) -> None:
+        best[key] = min(best.get(key, float("inf")), seconds)
+
+    torchelastic = {"TORCHELASTIC_RUN_ID": "bench"}  # Lightning then takes the ranks as launched, like torchrun
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        for m, seconds in _spawn(_single, 1, args)[0].items():
+            keep(("single", m), seconds)
+        barrier = mp.get_context("spawn").Barrier(STAGES)
+        for m, seconds in _slowest(_spawn(_half, STAGES, args, barrier)).items():
+            keep(("half", m), seconds)
+        for key, seconds in _slowest(_spawn(_smp, STAGES, args, env=torchelastic)).items():
+            keep(key, seconds)
+        for key, seconds in _slowest(_spawn(_torch, STAGES, args)).items():
+            keep(key, seconds)
+    return best
+
+
+def report(best: dict, args: argparse.Namespace) -> dict:
+    pipelines = ("smp_1f1b", "smp_gpipe", "torch_1f1b", "torch_gpipe")
+    rows = []
+    for m in args.microbatches:
+        single, half = best[("single", m)], best[("half", m)]
+        bound = single / half
+        ideal = bound * m / (m + STAGES - 1)
+        row = {"microbatches": m, "single_s": single, "half_s": half, "B": bound, "ideal_speedup": ideal}
+        for name in pipelines:
+            speedup = single / best[(name, m)]
+            row[f"{name}_s"] = best[(name, m)]
+            row[f"{name}_speedup"] = speedup
+            row[f"{name}_of_ideal"] = speedup / ideal
+        rows.append(row)
+    header = f"{'m':>3} {'single ms':>10} {'B':>5} {'ideal':>6} " + " ".join(f"{n:>18}" for n in pipelines)
+    print(header)
+    for row in rows:
+        cells = " ".join(
+            f"{row[f'{n}_s'] * 1e3:7.1f}ms {row[f'{n}_of_ideal']:5.2f}/{row[f'{n}_speedup']:4.2f}" for n in pipelines
+        )
+        first = f"{row['microbatches']:>3} {row['single_s'] * 1e3:10.1f} {row['B']:5.2f} {row['ideal_speedup']:6.2f}"
+        print(f"{first} {cells}")
+    print("(each pipeline: step time, fraction of the ideal speed-up / speed-up over `single`)")
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "command": " ".join(sys.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "rows": rows,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4, 8])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", type=str, default=None)
+    args = parser.parse_args()
+    result = report(measure(args), args)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
