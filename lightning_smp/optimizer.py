@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
-__all__ = ["HALF_DTYPES", "MasterWeightOptimizer", "mark_norm_duplicate"]
+__all__ = ["HALF_DTYPES", "MasterWeightOptimizer", "clip_grad_norm_counted", "global_grad_norm", "mark_norm_duplicate"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -391,21 +391,40 @@ class MasterWeightOptimizer(Optimizer):
         return [g for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
 
     def _global_norm(self, grads: list[Tensor], norm_type: float) -> Tensor:
-        device = self._found_inf.device
-        if not grads:
-            local = torch.zeros((), device=device)
-        elif math.isinf(norm_type):
-            local = torch.stack([g.abs().max() for g in grads]).max()
-        else:
-            local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-        if _group_size(self._norm_group) <= 1:
-            return local
-        if math.isinf(norm_type):
-            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self._norm_group)
-            return local
-        powered = local.pow(norm_type)
-        dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=self._norm_group)
-        return powered.pow(1.0 / norm_type)
+        return global_grad_norm(grads, norm_type, group=self._norm_group, device=self._found_inf.device)
+
+
+def global_grad_norm(
+    grads: list[Tensor], norm_type: float, *, group: dist.ProcessGroup | None, device: torch.device
+) -> Tensor:
+    """The ``norm_type`` norm of ``grads`` over every rank of ``group`` (each rank passing the grads it counts),
+    as a 0-dim device tensor: no host sync."""
+    if not grads:
+        local = torch.zeros((), device=device)
+    elif math.isinf(norm_type):
+        local = torch.stack([g.abs().max() for g in grads]).max()
+    else:
+        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
+    if _group_size(group) <= 1:
+        return local
+    if math.isinf(norm_type):
+        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
+        return local
+    powered = local.pow(norm_type)
+    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
+    return powered.pow(1.0 / norm_type)
+
+
+def clip_grad_norm_counted(params: list[Tensor], max_norm: float, *, group: dist.ProcessGroup | None) -> Tensor:
+    """Clip the grads of plain (fp32) ``params`` by their global norm over ``group``, counting parameters marked
+    with `mark_norm_duplicate` once, as `MasterWeightOptimizer.clip_master_grads` does for masters."""
+    with_grads = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grads]
+    device = grads[0].device if grads else torch.device("cpu")
+    norm = global_grad_norm([p.grad for p in with_grads if _counts_in_norm(p)], 2.0, group=group, device=device)
+    if grads:
+        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
 
 
 def _split_params(optimizer: Optimizer) -> tuple[list[Tensor], list[Tensor | None], list[Tensor]]:

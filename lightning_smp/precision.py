@@ -23,7 +23,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
+from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler, clip_grad_norm_counted
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -109,10 +109,7 @@ class SMPPrecision(Precision):
                 static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
                 dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
             )
-        norm_group = None
-        if self.topology is not None and self.topology.size("mp") > 1:
-            norm_group = self.topology.group("mp")
-        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=norm_group)
+        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=self._norm_group())
         self._wrapped.append(wrapped)
         return wrapped
 
@@ -173,8 +170,8 @@ class SMPPrecision(Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.clip_master_grads(clip_val)
-        else:
-            super().clip_grad_by_norm(optimizer, clip_val)
+        else:  # fp32: the norm still spans every model-parallel rank, counting replicated values once
+            clip_grad_norm_counted(self.main_params(optimizer), clip_val, group=self._norm_group())
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -193,6 +190,12 @@ class SMPPrecision(Precision):
     def teardown(self) -> None:
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
+
+    def _norm_group(self) -> torch.distributed.ProcessGroup | None:
+        """The ranks whose grads make up one global norm: the model-parallel group (pp × tp), when there is one."""
+        if self.topology is not None and self.topology.size("mp") > 1:
+            return self.topology.group("mp")
+        return None
 
     def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
         if isinstance(optimizer, MasterWeightOptimizer):

@@ -16,7 +16,8 @@ from torch.optim import SGD, Adadelta, AdamW, Optimizer
 from torch.optim.lr_scheduler import StepLR
 
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lightning_smp.optimizer import MasterWeightOptimizer, mark_norm_duplicate
+from lightning_smp.optimizer import MasterWeightOptimizer, clip_grad_norm_counted, mark_norm_duplicate
+from tests.distributed import init_gloo, run_distributed
 
 SCALE = 2.0**10
 OptimizerFactory = Callable[[Iterator[Tensor] | list[Tensor]], Optimizer]
@@ -637,3 +638,27 @@ def test_the_fused_fast_path_equals_the_explicit_unscale_path(delayed_shift: int
     assert fast_trace == ref_trace
     assert any(skipped for skipped, _ in fast_trace) and not all(skipped for skipped, _ in fast_trace)
     assert all(torch.equal(a, b) for a, b in zip(fast_masters, ref_masters, strict=True))
+
+
+def _clip_half_of_a_vector(rank: int) -> list[float]:
+    """Rank r holds half r of a sharded vector plus a replicated scalar (a duplicate on rank 1)."""
+    init_gloo()
+    full = torch.arange(1.0, 9.0)
+    shard = nn.Parameter(torch.zeros(4))
+    shard.grad = full[4 * rank : 4 * rank + 4].clone()
+    replicated = nn.Parameter(torch.zeros(1))
+    replicated.grad = torch.tensor([10.0])
+    if rank == 1:
+        mark_norm_duplicate(replicated)
+    norm = clip_grad_norm_counted([shard, replicated], 1.0, group=torch.distributed.group.WORLD)
+    return [norm.item(), torch.linalg.vector_norm(shard.grad).item()]
+
+
+@pytest.mark.timeout(120)
+def test_fp32_clipping_takes_the_norm_over_every_rank_counting_replicas_once() -> None:
+    results = run_distributed(_clip_half_of_a_vector, 2, timeout=100)
+    expected = math.sqrt(sum(v * v for v in range(1, 9)) + 100.0)
+    for norm, _ in results:
+        assert norm == pytest.approx(expected, rel=1e-6)
+    clipped = math.sqrt(sum(shard_norm**2 for _, shard_norm in results))  # the sharded vector after clipping
+    assert clipped == pytest.approx(math.sqrt(sum(v * v for v in range(1, 9))) / expected, rel=1e-5)
