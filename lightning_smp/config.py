@@ -38,6 +38,7 @@ _OWN_FIELDS = frozenset(
         "dynamic_loss_args",
         "pipeline_module",
         "partition",
+        "virtual_stages",
         "tensor_parallel_plan",
     }
 )
@@ -74,6 +75,7 @@ _INACTIVE_SETTINGS: dict[str, str] = {
 
 # Lowest allowed value of each plain int field (upper bounds that depend on other fields are checked apart).
 _INT_MINIMUMS: dict[str, tuple[int, str]] = {
+    "virtual_stages": (1, "the trunk chunks each pipeline rank runs; 1 means one chunk per stage"),
     "pipeline_parallel_degree": (1, "the number of pipeline stages; 1 means no pipelining"),
     "tensor_parallel_degree": (1, "the number of ranks each tensor-parallel layer is split over"),
     "microbatches": (1, "the number of pieces each batch is split into; 1 means no pipelining"),
@@ -204,6 +206,11 @@ class SMPConfig:
     partition: tuple[int, ...] | None = None
     """lightning_smp: manual stage sizes, one per stage, counted in children of the pipelined trunk (for
     example (3, 3, 2)); a list is accepted and stored as a tuple."""
+    virtual_stages: int = 1
+    """lightning_smp: chunks of the pipelined trunk per pipeline rank (Megatron's virtual pipeline stages): rank r
+    runs chunks r, r + pp, r + 2 pp, ... With 2 or more, pipeline="interleaved" runs Megatron's interleaved 1F1B,
+    whose bubble is this many times smaller, for this many times more messages. Needs microbatches to be a
+    multiple of pipeline_parallel_degree; ``partition`` then gives one size per chunk."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
     one component) mapped to a style of ``TENSOR_PARALLEL_STYLES``, for example
@@ -255,7 +262,13 @@ class SMPConfig:
                 meaning=f"a stage index below pipeline_parallel_degree={pp}",
             )
         if self.partition is not None:
-            object.__setattr__(self, "partition", _normalise_partition(self.partition, pp))
+            object.__setattr__(self, "partition", _normalise_partition(self.partition, pp, self.virtual_stages))
+        if self.virtual_stages > 1 and (self.pipeline != "interleaved" or self.microbatches % pp):
+            raise ValueError(
+                f"virtual_stages={self.virtual_stages} runs Megatron's interleaved schedule, which needs "
+                f"pipeline='interleaved' (got {self.pipeline!r}) and microbatches a multiple of "
+                f"pipeline_parallel_degree={pp} (got {self.microbatches}); change those, or set virtual_stages=1."
+            )
         if not self.auto_partition and self.default_partition is None and self.partition is None:
             raise ValueError(
                 "auto_partition=False needs default_partition (the stage for trunk children not placed by "
@@ -440,7 +453,7 @@ def _normalise_placement(value: object) -> str:
     )
 
 
-def _normalise_partition(sizes: object, pp: int) -> tuple[int, ...]:
+def _normalise_partition(sizes: object, pp: int, virtual_stages: int = 1) -> tuple[int, ...]:
     if (
         isinstance(sizes, str | bytes)
         or not isinstance(sizes, Sequence)
@@ -451,7 +464,12 @@ def _normalise_partition(sizes: object, pp: int) -> tuple[int, ...]:
             f"partition={sizes!r} is invalid; give one int >= 1 per pipeline stage, the number of trunk "
             "children each stage holds, for example partition=(3, 3, 2), or None to balance automatically."
         )
-    if len(sizes) != pp:
+    if virtual_stages > 1 and len(sizes) != pp * virtual_stages:
+        raise ValueError(
+            f"partition={tuple(sizes)} has {len(sizes)} sizes but pipeline_parallel_degree={pp} x "
+            f"virtual_stages={virtual_stages} makes {pp * virtual_stages} chunks; give one size per chunk."
+        )
+    if virtual_stages == 1 and len(sizes) != pp:
         raise ValueError(
             f"partition={tuple(sizes)} has {len(sizes)} stage sizes but pipeline_parallel_degree={pp}; give "
             f"exactly {pp} sizes, one per stage, or set pipeline_parallel_degree={len(sizes)}."

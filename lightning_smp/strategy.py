@@ -107,6 +107,7 @@ class SMPStrategy(DDPStrategy):
         dynamic_loss_args: dict[str, Any] | None = None,
         pipeline_module: str | None = None,
         partition: list[int] | None = None,
+        virtual_stages: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from lightning_smp import smp
+from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule
 from lightning_smp.pipeline.microbatch import batch_size, merge_outputs, reduce_values, split_batch
 from lightning_smp.pipeline.partition import (
@@ -129,6 +130,19 @@ def test_virtual_stages_cut_the_bubble():
         schedule.build("interleaved", stages=4, stage=0, microbatches=6, chunks_per_stage=2)
 
 
+def test_virtual_stages_are_checked_with_the_config():
+    config = SMPConfig(pipeline_parallel_degree=2, microbatches=4, virtual_stages=2, partition=[1, 1, 1, 1])
+    assert config.partition == (1, 1, 1, 1)
+    with pytest.raises(ValueError, match=r"needs pipeline='interleaved' \(got 'simple'\) and microbatches a multiple"):
+        SMPConfig(pipeline_parallel_degree=2, microbatches=4, virtual_stages=2, pipeline="simple")
+    with pytest.raises(ValueError, match=r"microbatches a multiple of pipeline_parallel_degree=2 \(got 3\)"):
+        SMPConfig(pipeline_parallel_degree=2, microbatches=3, virtual_stages=2)
+    with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2 x virtual_stages=2 makes 4 chunks"):
+        SMPConfig(pipeline_parallel_degree=2, microbatches=4, virtual_stages=2, partition=[2, 2])
+    with pytest.raises(ValueError, match=r"virtual_stages=0 is invalid"):
+        SMPConfig(virtual_stages=0)
+
+
 def test_the_simulator_finds_deadlocks_and_incomplete_plans():
     forward, backward = schedule.Action(True, 0, 0), schedule.Action(False, 0, 0)
     first, second = schedule.Action(True, 0, 1), schedule.Action(False, 0, 1)
@@ -192,6 +206,8 @@ def test_plans_from_sizes_the_cost_model_or_the_smp_placement():
     assert tagged.sizes == (3, 3)
     virtual = plan_partition("blocks", children, stages=2, chunks_per_stage=3)
     assert virtual.chunks_of(1) == (1, 3, 5) and virtual.owned(0) == (0, 2, 4)
+    with pytest.raises(ValueError, match=r"virtual_stages=3 cuts the trunk into chunks; give partition="):
+        plan_partition("blocks", children, stages=2, chunks_per_stage=3, auto=False, default=0)
     table = auto.table(outside_params=50)
     assert "stage  trunk children" in table and "blocks.0 .. 1 + modules before the trunk" in table
     with pytest.raises(ValueError, match=r"has 6 children, fewer than the 8 pipeline stages.*<= 6"):

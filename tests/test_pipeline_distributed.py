@@ -389,6 +389,7 @@ LAYOUTS_2 = {
     # the global norm over both stages, the tied embedding counted once (the last stage's copy is a duplicate)
     "gpt_fp16_clip": ("gpt", {}, {**PP2, **FP16}, {"gradient_clip_val": CLIP}),
     "gpt_fp32_clip": ("gpt", {}, PP2, {"gradient_clip_val": CLIP}),
+    "gpt_virtual": ("gpt", {}, {**PP2, "virtual_stages": 2}),  # chunks of one block: stage 0 runs blocks 0 and 2
 }
 
 
@@ -409,6 +410,11 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", ["gpt_1f1b", "gpt_simple"])
 def test_pp2_gpt_with_tied_head_matches_one_process(two_ranks, name):
     _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], name)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_with_two_virtual_stages_per_rank_matches_one_process(two_ranks):
+    _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], "gpt_virtual")
 
 
 @pytest.mark.timeout(300)
@@ -439,11 +445,6 @@ def test_pp2_fp16_clips_by_the_global_norm_over_all_stages(two_ranks):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="SMPPrecision clips fp32 gradients (no master-weight optimizer) with torch's clip_grad_norm_ on this "
-    "rank's parameters only; the norm must be summed over the 'mp' group, as MasterWeightOptimizer does (fp16 above)",
-)
 def test_pp2_fp32_clips_by_the_global_norm_over_all_stages(two_ranks):
     _check_against(_reference("gpt", {}, clip_norm=CLIP), [r["layouts"] for r in two_ranks], "gpt_fp32_clip")
 

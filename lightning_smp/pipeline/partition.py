@@ -407,7 +407,12 @@ def plan_partition(
         return PartitionPlan(
             trunk, tuple(children), tuple(sizes), stages, f"manual: partition={tuple(sizes)}", chunks_per_stage
         )
-    if auto or chunks_per_stage > 1:
+    if not auto and chunks_per_stage > 1:
+        raise ValueError(
+            f"smp.partition / default_partition place trunk children on stages, but virtual_stages={chunks_per_stage} "
+            "cuts the trunk into chunks; give partition=(one size per chunk), or auto_partition=True."
+        )
+    if auto:
         weights = child_weights(children, memory_weight)
         found = balance(weights, chunks)
         return PartitionPlan(

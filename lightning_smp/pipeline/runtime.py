@@ -71,6 +71,7 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         trunk_name,
         children,
         stages=topology.pp,
+        chunks_per_stage=config.virtual_stages,
         sizes=config.partition,
         auto=config.auto_partition,
         memory_weight=config.memory_weight,
