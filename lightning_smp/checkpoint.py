@@ -194,7 +194,7 @@ def save(
             if rank == 0:
                 try:
                     record = {**run, "format": FORMAT_VERSION, "version": _package_version()}
-                    record["torch"] = torch.__version__
+                    record["torch"] = str(torch.__version__)
                     record["files"] = {name: info for part in files for name, info in part.items()}
                     _write_file(staging / META_FILENAME, {**rest, _RECORD: record})
                     _publish(staging, path)

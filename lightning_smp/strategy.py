@@ -10,6 +10,11 @@ bucketed, backward-overlapped gradient all-reduce are exactly DDP's; with one re
 from __future__ import annotations
 
 import dataclasses
+import logging
+import signal
+import subprocess
+import threading
+import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -43,6 +48,8 @@ from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine, build_engine
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.topology import Topology
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SMPStrategy", "register_strategies"]
 
@@ -127,6 +134,7 @@ class SMPStrategy(DDPStrategy):
         for line in self._config.inactive_settings():
             rank_zero_warn(line)
         self._topology: Topology | None = None
+        self._sigterm = _SchedulerSignal()
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
         super().__init__(
@@ -216,6 +224,7 @@ class SMPStrategy(DDPStrategy):
         # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
         _reduce_metrics_over_replicas(self.model, self.topology)
+        self._sigterm.install(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)
             return
@@ -281,6 +290,7 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._sigterm.agree(self.root_device)
         if self._pipeline is None:
             output = super().training_step(*args, **kwargs)
         else:
@@ -438,13 +448,25 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        notes = []
         if "Expected to have finished reduction in the prior iteration" in str(exception):
-            exception.args = (
-                f"{exception.args[0] if exception.args else exception}\nHINT: some parameters of your "
-                "LightningModule were not used to produce the loss. If that is intended, pass "
-                "`SMPStrategy(find_unused_parameters=True)`.",
-                *exception.args[1:],
+            notes.append(
+                "HINT: some parameters of your LightningModule were not used to produce the loss. If that is "
+                "intended, pass `SMPStrategy(find_unused_parameters=True)`."
             )
+        if self.world_size > 1 and any(sign in str(exception) for sign in _PEER_LOST):
+            notes.append(
+                f"lightning_smp: rank {self.global_rank} of {self.world_size} lost a peer: another rank of this job "
+                f"died or did not answer within the process-group timeout ({self._timeout}; "
+                "`SMPStrategy(timeout=...)`), so this rank stops too. The first error is in that rank's output; a "
+                "rank killed by the system (out of memory, a scheduler) prints nothing, its exit code below says so."
+            )
+        notes += _end_launched_ranks(
+            self.launcher, grace_s=min(self._timeout.total_seconds(), 30.0) if self._timeout else 30.0
+        )
+        if notes and isinstance(exception, Exception):  # SystemExit (e.g. SIGTERM) keeps its exit code
+            message = exception.args[0] if exception.args else str(exception)
+            exception.args = ("\n".join([str(message), *notes]), *exception.args[1:])
 
     @override
     def teardown(self) -> None:
@@ -455,6 +477,92 @@ class SMPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_strategies(strategy_registry)
+
+
+class _SchedulerSignal:
+    """SIGTERM handling that stops every rank after the same training step.
+
+    Lightning 2.6's handler broadcasts inside the signal handler (`_SignalConnector._sigterm_notifier_fn`) and each
+    rank acts on its own flag at the end of a step. When a scheduler signals every rank, as SLURM and Kubernetes
+    do, those broadcasts interleave with the step's collectives and the job hangs until the process-group timeout.
+    Here the handler only notes the signal (and passes it to the ranks this process launched); once per training
+    step every rank shares what it noted, and Lightning's flag is set on all ranks at once, so all of them stop
+    after that step and exit cleanly. A signal that arrives during a checkpoint save is held until the save is
+    whole (`checkpoint.save`).
+    """
+
+    def __init__(self) -> None:
+        self._trainer: pl.Trainer | None = None
+        self._noted = False
+
+    def install(self, trainer: pl.Trainer) -> None:
+        self._trainer, self._noted = trainer, False
+        if trainer.world_size > 1:
+            trainer._signal_connector._sigterm_notifier_fn = self._note  # Lightning registers it after setup
+
+    def _note(self, signum: int, frame: Any) -> None:
+        trainer = self._trainer
+        log.info("lightning_smp: rank %d received signal %d", trainer.global_rank, signum)
+        if not self._noted and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        self._noted = True
+        if trainer.state.fn != TrainerFn.FITTING:  # no training steps to agree at: each rank stops at its next batch
+            trainer._signal_connector.received_sigterm = True
+
+    def agree(self, device: torch.device) -> None:
+        """Collective, at the start of every training step on every rank."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1 or trainer.received_sigterm:
+            return
+        noted = torch.tensor([float(self._noted)], device=device)
+        dist.all_reduce(noted, op=dist.ReduceOp.MAX)
+        if noted.item():  # sync: as Lightning's own SIGTERM broadcast at every step
+            trainer._signal_connector.received_sigterm = True
+
+
+# What gloo and NCCL say when a peer has died or stopped answering.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "collective operation timeout",
+    "communicator was aborted",
+)
+
+
+def _end_launched_ranks(launcher: Any, *, grace_s: float) -> list[str]:
+    """In the process that launched this node's other ranks (Lightning's subprocess launcher): close this rank's
+    process groups, so ranks waiting on it fail at once rather than at the timeout, wait up to ``grace_s`` for
+    the launched ranks to stop, kill those that do not (one stuck outside any collective never would), and say how
+    each one that failed ended. Elsewhere (torchrun, SLURM, ...) the launcher ends the job; returns nothing."""
+    procs = getattr(launcher, "procs", None) or []
+    if not procs:
+        return []
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":  # Lightning's: it would SIGKILL this process mid-report
+            thread._run = lambda: True  # type: ignore[attr-defined]
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as error:
+            log.debug("lightning_smp: closing the process groups after a failure: %s", error)
+    deadline = time.monotonic() + grace_s
+    notes = []
+    for local_rank, proc in enumerate(procs, start=1):
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            notes.append(f"local rank {local_rank} (pid {proc.pid}) had not stopped {grace_s:.0f}s later: killed it")
+            continue
+        if proc.returncode:
+            how = f"exit code {proc.returncode}"
+            if proc.returncode < 0 and -proc.returncode in signal.valid_signals():
+                how = f"signal {signal.Signals(-proc.returncode).name}"
+            notes.append(f"local rank {local_rank} (pid {proc.pid}) ended with {how}")
+    return notes
 
 
 def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:

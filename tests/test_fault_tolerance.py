@@ -1,0 +1,125 @@
+"""No hangs, no lost work: a killed rank ends the job with its cause; a scheduler's SIGTERM ends it cleanly.
+
+The jobs run the way users launch them: this module, run as ``python -m tests.test_fault_tolerance MODE DIR``, is
+the training script, and Lightning's own subprocess launcher starts the second rank. Each test launches one job.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.checkpoint import FileSystemWriter
+
+from lightning_smp import SMPStrategy, consolidate_checkpoint
+from lightning_smp.strategy import _end_launched_ranks
+from tests.models import TinyRegressor
+
+TIMEOUT_S = 20  # the job's process-group timeout
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class _Fault(Callback):
+    """At the fourth batch: rank 1 is killed (``kill``), or every rank gets SIGTERM in the middle of writing that
+    step's checkpoint (``sigterm``, ``epoch=0-step=4.ckpt``), as a scheduler sends it to every process of a job."""
+
+    def __init__(self, mode: str, directory: Path) -> None:
+        self.mode, self.directory = mode, directory
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.mode == "kill" and trainer.global_step == 3 and trainer.global_rank == 1:
+            (self.directory / "killed_at").write_text(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.mode == "sigterm" and trainer.global_step == 3:
+            original = FileSystemWriter.write_data
+
+            def write_data(writer, plan, planner):
+                os.kill(os.getpid(), signal.SIGTERM)  # held until the save is whole
+                FileSystemWriter.write_data = original
+                return original(writer, plan, planner)
+
+            FileSystemWriter.write_data = write_data
+
+
+def _job(mode: str, directory: Path) -> None:
+    torch.set_num_threads(1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=SMPStrategy(fp16=True, timeout=timedelta(seconds=TIMEOUT_S)),
+        max_steps=40,
+        limit_val_batches=0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[_Fault(mode, directory), ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)],
+    )
+    try:
+        trainer.fit(TinyRegressor(num_samples=400))
+    finally:
+        print(f"rank {trainer.global_rank} stopped at step {trainer.global_step}", flush=True)
+
+
+def _launch(mode: str, directory: Path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.test_fault_tolerance", mode, str(directory)]
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=150, check=False)
+    return result, time.time()
+
+
+@pytest.mark.timeout(180)
+def test_killing_one_rank_ends_every_rank_within_the_timeout_with_the_cause(tmp_path):
+    result, ended_at = _launch("kill", tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    assert ended_at - float((tmp_path / "killed_at").read_text()) < TIMEOUT_S  # not a hang until some timeout
+    assert "local rank 1" in output and "ended with signal SIGKILL" in output, output[-3000:]
+    assert "rank 0 of 2 lost a peer" in output
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_on_every_rank_during_a_save_finishes_the_save_and_exits_cleanly(tmp_path):
+    result, _ = _launch("sigterm", tmp_path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    # the signal came while step 4's checkpoint was written; every rank stopped after the next step, together,
+    # instead of training on to max_steps=40
+    assert "rank 0 stopped at step 5" in output and "rank 1 stopped at step 5" in output, output[-3000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == [f"epoch=0-step={step}.ckpt" for step in range(1, 6)]  # nothing half-written beside them
+    consolidated = torch.load(consolidate_checkpoint(tmp_path / "epoch=0-step=4.ckpt", tmp_path.parent / "c.pt"))
+    assert consolidated["global_step"] == 4  # the checkpoint the signal interrupted is whole
+
+
+class _Launcher:
+    def __init__(self, procs):
+        self.procs = procs
+
+
+@pytest.mark.timeout(60)
+def test_the_launching_rank_kills_a_rank_stuck_outside_collectives_and_reports_each_ending():
+    commands = ["import time; time.sleep(60)", "raise SystemExit(3)", "pass"]
+    procs = [subprocess.Popen([sys.executable, "-c", command]) for command in commands]
+    try:
+        started = time.monotonic()
+        notes = _end_launched_ranks(_Launcher(procs), grace_s=2.0)
+        assert time.monotonic() - started < 10
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    assert notes == [
+        f"local rank 1 (pid {procs[0].pid}) had not stopped 2s later: killed it",
+        f"local rank 2 (pid {procs[1].pid}) ended with exit code 3",
+    ]
+
+
+if __name__ == "__main__":
+    _job(sys.argv[1], Path(sys.argv[2]))
