@@ -72,8 +72,11 @@ __all__ = [
     "load",
     "model_state_dict",
     "optimizer_state_dict",
+    "record_newest",
     "remove",
+    "resolve",
     "save",
+    "tagged_path",
 ]
 
 log = logging.getLogger(__name__)
@@ -330,6 +333,7 @@ def load(
     run: dict[str, Any],
     strict: bool = True,
     weights_only: bool | None = None,
+    load_optimizer_states: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint written by `save` into ``module`` and ``optimizers``, whatever layout wrote it.
 
@@ -355,7 +359,7 @@ def load(
     names = _all_gather_object(sorted(targets))
     if strict:
         problems += _unexpected_problems(metadata, {name for part in names for name in part})
-    restore_optimizers = bool(optimizers) and saved_optimizers is not None
+    restore_optimizers = load_optimizer_states and bool(optimizers) and saved_optimizers is not None
     if restore_optimizers and len(saved_optimizers) != len(optimizers):
         problems.append(
             f"it holds the state of {len(saved_optimizers)} optimizer(s), this run has {len(optimizers)}: "
@@ -672,6 +676,40 @@ def _load_scaler(optimizer: MasterWeightOptimizer, saved: dict[str, Any]) -> Non
     elif optimizer.loss_scaler is not None:
         log.info("lightning_smp: the checkpoint has no loss scale (not an fp16 run); starting from the initial scale.")
     optimizer.skipped_steps.fill_(saved.get("skipped_steps", 0))
+
+
+# -- smp's tagged checkpoints -----------------------------------------------------------------------------------
+
+_NEWEST = "newest"
+
+
+def tagged_path(path: str | os.PathLike, tag: str | None = None) -> Path:
+    """smp's layout: checkpoint ``tag`` of the folder ``path`` is ``<path>/<tag>_partial``; with no ``tag``, the one
+    named in ``<path>/newest`` (written by `record_newest`)."""
+    path = Path(path)
+    if tag is None:
+        try:
+            tag = (path / _NEWEST).read_text().strip()
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{str(path)!r} has no {_NEWEST!r} file naming its latest checkpoint; pass the tag, e.g. "
+                "`smp.resume_from_checkpoint(path, tag='step_1000')`."
+            ) from None
+    return path / f"{tag}_partial"
+
+
+def record_newest(path: str | os.PathLike, tag: str, *, keep: int | None = None) -> None:
+    """After a tagged save (one rank): name ``tag`` in ``<path>/newest`` (atomically) and delete the oldest tagged
+    checkpoints beyond ``keep``, as smp's ``num_kept_partial_checkpoints``."""
+    path = Path(path)
+    temporary = path / f".{_NEWEST}.partial-{uuid.uuid4().hex[:12]}"
+    temporary.write_text(tag)
+    os.replace(temporary, path / _NEWEST)
+    if keep is not None:
+        tagged = [p for p in path.glob("*_partial") if is_sharded_checkpoint(p) and p.name != f"{tag}_partial"]
+        tagged.sort(key=lambda p: (p / META_FILENAME).stat().st_mtime)
+        for old in tagged[: max(0, len(tagged) - (keep - 1))]:
+            remove(old)
 
 
 # -- consolidation ---------------------------------------------------------------------------------------------

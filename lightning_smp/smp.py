@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_smp import checkpoint as _checkpoint
 from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
 from lightning_smp.tensor_parallel import nn
@@ -57,6 +58,8 @@ __all__ = [
     "rdp_barrier",
     "rdp_rank",
     "rdp_size",
+    "resume_from_checkpoint",
+    "save_checkpoint",
     "set_partition",
     "set_tensor_parallelism",
     "size",
@@ -316,3 +319,66 @@ def DistributedOptimizer(
         static_loss_scale=1.0 if static_loss_scale is None else static_loss_scale,
         dynamic_loss_args=dict(dynamic_loss_args or {}),
     )
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    path: str,
+    tag: str,
+    partial: bool = True,
+    model: Any = None,
+    optimizer: Any = None,
+    user_content: Any = None,
+    translate_if_full: bool = True,
+    num_kept_partial_checkpoints: int | None = None,
+) -> None:
+    """smp's ``save_checkpoint``: the run's full training state to ``<path>/<tag>_partial``, named in
+    ``<path>/newest``; call it on every rank. ``user_content`` comes back from `resume_from_checkpoint`.
+
+    It is the strategy's sharded checkpoint (model, fp32 masters, optimizer, loss scaler, loops), so it loads
+    under any layout, which smp's partial checkpoints could not; ``partial=False`` writes the same (use
+    ``lightning_smp.consolidate_checkpoint`` for one file). ``model`` and ``optimizer`` are the strategy's.
+    """
+    strategy = _run("save_checkpoint").strategy
+    content = strategy.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+    content["user_content"] = user_content
+    strategy.save_checkpoint(content, _checkpoint.tagged_path(path, tag))
+    if strategy.is_global_zero:
+        _checkpoint.record_newest(path, tag, keep=num_kept_partial_checkpoints)
+    strategy.barrier("smp.save_checkpoint")
+
+
+def resume_from_checkpoint(
+    path: str,
+    tag: str | None = None,
+    partial: bool = True,
+    strict: bool = True,
+    load_optimizer: bool = True,
+    **_: Any,
+) -> Any:
+    """smp's ``resume_from_checkpoint``: load checkpoint ``tag`` (default: the newest) of ``path`` into the running
+    model and optimizers, whatever layout saved it; returns its ``user_content``. Call it on every rank once the
+    model and optimizers exist (``on_fit_start`` or later). Loops and LR schedulers resume with Lightning's
+    ``trainer.fit(model, ckpt_path=...)`` on the same directory, which is the way to resume a whole run.
+    """
+    target = _checkpoint.tagged_path(path, tag)
+    if _active is None or not _active.strategy.optimizers:
+        raise RuntimeError(
+            "smp.resume_from_checkpoint() loads into the running model and optimizers: call it inside the "
+            "LightningModule's `on_fit_start` (or later), or resume the whole run (loops and schedulers too) with "
+            f"`trainer.fit(model, ckpt_path={str(target)!r})`."
+        )
+    run = _active
+    loaded = _checkpoint.load(
+        target,
+        module=run.strategy.lightning_module,
+        optimizers=run.strategy.optimizers,
+        run=_checkpoint.describe_run(
+            topology=run.topology, config=run.config, precision=str(run.strategy.precision_plugin.precision)
+        ),
+        strict=strict,
+        load_optimizer_states=load_optimizer,
+    )
+    return loaded.get("user_content")

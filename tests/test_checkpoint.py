@@ -60,10 +60,11 @@ def _trainer(strategy_kwargs, dirpath, max_epochs, devices):
     )
 
 
-def _fit(strategy_kwargs, dirpath, *, devices, batch_size=8, dropout=0.0, hidden=16, ckpt_path=None, max_epochs=3):
+def _fit(strategy_kwargs, dirpath, *, devices, batch_size=8, dropout=0.0, hidden=16, ckpt_path=None, **kwargs):
     torch.manual_seed(0)
     model = _Model(hidden=hidden, dropout=dropout, batch_size=batch_size)
-    trainer = _trainer(strategy_kwargs, dirpath, max_epochs, devices)
+    trainer = _trainer(strategy_kwargs, dirpath, kwargs.get("max_epochs", 3), devices)
+    trainer.callbacks.extend(kwargs.get("callbacks", ()))
     trainer.fit(model, ckpt_path=ckpt_path)
     weights = checkpoint.model_state_dict(model, trainer.strategy.optimizers)
     return trainer, model, {"losses": model.losses, "weights": {k: v.float().clone() for k, v in weights.items()}}
@@ -290,6 +291,7 @@ def _dp1_job(rank, root):
         stream.truncate(100)
     results["truncated"] = _error_of(lambda: _fit(FP16, root / "y", devices=1, ckpt_path=truncated))
     results["gpt"] = _resume_gpt(["one_device"], root)
+    results["smp"] = _smp_facade_round_trip(root / "smp")
     # tp=2 -> one device: the whole tensors and the whole Adam state of the same step
     whole = _whole_module()
     optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
@@ -301,6 +303,41 @@ def _dp1_job(rank, root):
         assert torch.equal(param, expected), name
         assert torch.equal(optimizer.state[param]["exp_avg"], reference.state[expected]["exp_avg"]), name
     return results
+
+
+class _SmpSave(Callback):
+    def __init__(self, path):
+        self.path, self.weights = path, None
+
+    def on_train_end(self, trainer, pl_module):
+        for tag in ("first", "second"):  # keep one: "first" goes
+            smp.save_checkpoint(self.path, tag, user_content={"tag": tag}, num_kept_partial_checkpoints=1)
+        self.weights = _weights(pl_module, trainer)
+
+
+class _SmpResume(Callback):
+    def __init__(self, path):
+        self.path, self.content, self.weights = path, None, None
+
+    def on_fit_start(self, trainer, pl_module):
+        self.content = smp.resume_from_checkpoint(self.path)
+        self.weights = _weights(pl_module, trainer)
+
+
+def _weights(module, trainer):
+    return {k: v.float().clone() for k, v in checkpoint.model_state_dict(module, trainer.strategy.optimizers).items()}
+
+
+def _smp_facade_round_trip(path):
+    """smp.save_checkpoint at the end of one fit, smp.resume_from_checkpoint at the start of another."""
+    save, resume = _SmpSave(str(path)), _SmpResume(str(path))
+    _fit(FP16, path / "a", devices=1, batch_size=16, max_epochs=1, callbacks=[save])
+    _fit(FP16, path / "b", devices=1, batch_size=16, max_epochs=1, callbacks=[resume])
+    return {
+        "content": resume.content,
+        "same_weights": all(torch.equal(resume.weights[k], v) for k, v in save.weights.items()),
+        "entries": sorted(p.name for p in path.iterdir() if p.name not in ("a", "b")),
+    }
 
 
 def _error_of(function):
@@ -383,7 +420,7 @@ def test_consolidation_round_trips_into_the_single_device_model(dp2, root, tmp_p
     else:  # the command line's entry point
         assert consolidate_main([str(source), "--output_file", str(tmp_path / "model.ckpt")]) == 0
         target = tmp_path / "model.ckpt"
-    consolidated = torch.load(target, weights_only=False)
+    consolidated = torch.load(target)  # weights_only: plain tensors and containers
     model = _Model(dropout=0.1 if name == "fp32" else 0.0)
     model.load_state_dict(consolidated["state_dict"], strict=True)
     full = dp2[0][name]["full"]
@@ -448,6 +485,13 @@ def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_p
     checkpoint._publish(staging, path)  # the next save of the same name completes the swap
     assert (path / checkpoint.META_FILENAME).read_text() == "new"
     assert not (tmp_path / "last.ckpt.previous").exists()
+
+
+@pytest.mark.timeout(300)
+def test_smp_save_checkpoint_and_resume_from_checkpoint_map_onto_the_same_checkpoints(dp1, tmp_path):
+    assert dp1["smp"] == {"content": {"tag": "second"}, "same_weights": True, "entries": ["newest", "second_partial"]}
+    with pytest.raises(RuntimeError, match=r"ckpt_path='.*/step_9_partial'"):  # outside a run: says how instead
+        smp.resume_from_checkpoint(str(tmp_path), tag="step_9")
 
 
 # -- errors -------------------------------------------------------------------------------------------------------
