@@ -26,6 +26,7 @@ weights of an fp16/bf16 run), ``optim/<i>/state/<name>/<key>`` (optimizer ``i``'
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -145,9 +146,9 @@ def optimizer_state_dict(optimizer: Any, module: nn.Module) -> dict[str, Any]:
 def describe_run(*, topology: Any, config: Any, precision: str) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it (its layout, precision and smp config)."""
     settings = {}
-    for name in getattr(config, "__dataclass_fields__", {}):
-        value = getattr(config, name)
-        settings[name] = dict(value) if isinstance(value, Mapping) else value
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        settings[field.name] = dict(value) if isinstance(value, Mapping) else value
     return {
         "layout": {
             "dp": topology.dp,
@@ -184,9 +185,9 @@ def save(
     path = Path(path)
     rank = dist.get_rank()
     entries, rest = _split_for_storage(checkpoint, module, rank, owned)
-    staging = Path(_broadcast_object(str(_staging_path(path)) if rank == 0 else None))
     if rank == 0:
         _remove_stale_staging(path)
+    staging = Path(_broadcast_object(str(_staging_path(path)) if rank == 0 else None))
     staging.mkdir(parents=True, exist_ok=True)
     try:
         with _signals_deferred():
@@ -504,8 +505,10 @@ def _file_problems(path: Path, record: dict, metadata: Metadata, *, share: tuple
             continue
         size = file.stat().st_size
         want = expected.get(name, {}).get("size", ends.get(name, 0))
-        if size < max(want, ends.get(name, 0)) or (name in expected and size != want):
+        if size < max(want, ends.get(name, 0)):
             problems.append(f"the shard file {name} ({writer}) is truncated: {size} bytes, {want} were written")
+        elif name in expected and size != want:
+            problems.append(f"the shard file {name} ({writer}) has changed: {size} bytes, {want} were written")
         elif name in expected and position % world_size == rank and _crc32(file) != expected[name]["crc32"]:
             problems.append(f"the shard file {name} ({writer}) is corrupted: its CRC-32 differs from the one saved")
     return problems

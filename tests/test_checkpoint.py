@@ -284,6 +284,12 @@ def _dp1_job(rank, root):
     resume = root / "fp16" / "epoch=0-step=4.ckpt"
     _, _, results["dp1_fp16"] = _fit(FP16, root / "dp1", devices=1, batch_size=16, ckpt_path=resume)
     _, _, results["dp1_fp32_from_fp16"] = _fit({}, root / "dp1_fp32", devices=1, batch_size=16, ckpt_path=resume)
+    bf16 = {"bf16": True}
+    _, _, results["dp1_bf16_from_fp16"] = _fit(bf16, root / "dp1_bf16", devices=1, batch_size=16, ckpt_path=resume)
+    # evaluation loads the weights alone (no optimizer): the fp32 run's final weights, into a fresh model
+    model = _Model(dropout=0.1)
+    _trainer({}, root / "v", 1, 1).validate(model, ckpt_path=root / "fp32" / "last.ckpt", verbose=False)
+    results["validated_weights"] = _weights(model, model.trainer)
     results["different_model"] = _error_of(lambda: _fit(FP16, root / "x", devices=1, hidden=32, ckpt_path=resume))
     truncated = root / "truncated.ckpt"
     shutil.copytree(resume, truncated)
@@ -407,8 +413,15 @@ def test_pp2_tp2_resumes_under_tp2_pp2_and_one_device_within_fp16_tolerance(pp2_
 def test_resume_from_dp2_on_one_device_continues_within_fp16_tolerance(dp2, dp1):
     expected = _mean_losses(dp2, "fp16", "full")[STEPS_PER_EPOCH:]
     assert dp1["dp1_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
-    # and with another precision: the fp32 run continues from the fp16 run's masters
+    # and with another precision: the fp32 and bf16 runs continue from the fp16 run's masters
     assert dp1["dp1_fp32_from_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+    assert dp1["dp1_bf16_from_fp16"]["losses"] == pytest.approx(expected, rel=5e-2)  # bf16 keeps 8 mantissa bits
+
+
+@pytest.mark.timeout(300)
+def test_validate_with_a_checkpoint_loads_the_weights(dp2, dp1):
+    for key, value in dp2[0]["fp32"]["full"]["weights"].items():
+        assert torch.equal(dp1["validated_weights"][key], value), key
 
 
 @pytest.mark.timeout(300)
