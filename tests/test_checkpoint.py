@@ -290,6 +290,11 @@ def _dp1_job(rank, root):
     model = _Model(dropout=0.1)
     _trainer({}, root / "v", 1, 1).validate(model, ckpt_path=root / "fp32" / "last.ckpt", verbose=False)
     results["validated_weights"] = _weights(model, model.trainer)
+    # a plain single-file checkpoint (the consolidated fp32 masters) into an fp16 model
+    plain = consolidate_checkpoint(root / "fp16" / "last.ckpt", root / "fp16_consolidated.ckpt")
+    model = _Model()
+    _trainer(FP16, root / "w", 1, 1).validate(model, ckpt_path=plain, verbose=False)
+    results["validated_fp16_weights"] = _weights(model, model.trainer)
     results["different_model"] = _error_of(lambda: _fit(FP16, root / "x", devices=1, hidden=32, ckpt_path=resume))
     truncated = root / "truncated.ckpt"
     shutil.copytree(resume, truncated)
@@ -422,6 +427,8 @@ def test_resume_from_dp2_on_one_device_continues_within_fp16_tolerance(dp2, dp1)
 def test_validate_with_a_checkpoint_loads_the_weights(dp2, dp1):
     for key, value in dp2[0]["fp32"]["full"]["weights"].items():
         assert torch.equal(dp1["validated_weights"][key], value), key
+    for key, value in dp2[0]["fp16"]["full"]["weights"].items():  # no optimizer, so no masters: fp16 parameters
+        assert torch.equal(dp1["validated_fp16_weights"][key], value.half().float()), key
 
 
 @pytest.mark.timeout(300)
