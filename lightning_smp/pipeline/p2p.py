@@ -1,13 +1,17 @@
-"""Point-to-point transport between pipeline stages: activations forward, their gradients back.
+"""Moving values between pipeline stages: activations forward, their gradients back, the step's result out.
 
-Owns the wire format. An activation (a tensor, or any nesting of tuples / lists / dicts holding tensors) goes as
-a fixed-size int64 header, then — only for nested values — the pickled structure, then one message per tensor.
-A single tensor, the common case, costs two messages: on a loaded CPU every extra message adds a wake-up of the
-receiver, so the shape rides in the header instead of a separate metadata exchange. Gradients need no header:
-the receiver of an activation sends back one gradient per tensor that required grad, in order.
-Sends are non-blocking (`isend`, the works are kept until `wait_sends`), receives block; each link between
-chunks uses its own tags (2c for activations of chunk c -> c+1, 2c + 1 for their gradients), so messages of
-different chunks sharing a rank pair cannot be confused on gloo.
+Owns the wire format. A value (a tensor, or any nesting of tuples / lists / dicts holding tensors) travels as
+one uint8 message: its tensors' bytes (16-byte aligned) and a trailing flag byte. Each link remembers the
+layout of the last value it carried, so in steady state a microbatch costs one message per direction: the
+receiver posts a buffer of the expected size, and the flag says whether the layout still holds. When it changed
+(or on a link's first use) the sender sets the flag, then sends the new layout (its size, then its pickled
+description) and the value. This matters on gloo: every message costs a wake-up of the receiver, about a
+millisecond on a loaded CPU, and a metadata message per microbatch doubled the count.
+Gradients need no layout (the receiver of an activation sends one gradient per tensor that required grad, in
+order). Sends are non-blocking (`isend`, kept until `wait_sends`), receives block; each link between chunks
+has its own tags (2c for activations of chunk c -> c + 1, 2c + 1 for their gradients), so messages of different
+chunks sharing a pair of ranks cannot be confused on gloo. `share` hands the last stage's step result to the
+other stages with one broadcast in steady state, on the same principle.
 """
 
 from __future__ import annotations
@@ -20,27 +24,24 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["NOTHING", "Transport"]
+__all__ = ["NOTHING", "Transport", "share"]
 
 NOTHING: Any = object()
 """Sent instead of an activation when this rank's step did not reach its exit (the step did not use the trunk)."""
 
-_HEADER = 64
-_KIND_NOTHING, _KIND_TENSOR, _KIND_TREE = 0, 1, 2
-_DTYPES = (
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-)
-_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
+_ALIGN = 16
+
+
+class _Slot:
+    """Where a tensor sat in a nested value (a marker that no user value can be)."""
+
+    def __reduce__(self) -> str:
+        return "_SLOT"
+
+
+_SLOT = _Slot()
+_SAME, _CHANGED = 0, 1
+_Layout = tuple  # ("nothing",) | ("tensor", dtype, shape, requires_grad) | ("tree", spec bytes, tensor metas)
 
 
 class Transport:
@@ -56,6 +57,9 @@ class Transport:
         self._device = device
         self._ranks = dist.get_process_group_ranks(group)
         self._pending: list[tuple[dist.Work, Any]] = []
+        self._sent: dict[tuple[int, int], _Layout] = {}
+        self._received: dict[tuple[int, int], _Layout] = {}
+        self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}
 
     def peer(self, offset: int) -> int:
         """The global rank ``offset`` stages away, wrapping around (the last stage's next is the first)."""
@@ -64,52 +68,40 @@ class Transport:
 
     def send_activation(self, value: Any, *, dst: int, tag: int) -> list[Tensor]:
         """Send ``value``; returns the tensors in it that require grad (their gradients come back in order)."""
-        header = torch.zeros(_HEADER, dtype=torch.int64)
-        if value is NOTHING:
-            self._isend(header.to(self._device), dst, tag)
-            return []
-        if isinstance(value, Tensor) and value.dim() <= _HEADER - 4:
-            header[:4] = torch.tensor([_KIND_TENSOR, _dtype_code(value), value.requires_grad, value.dim()])
-            header[4 : 4 + value.dim()] = torch.tensor(value.shape, dtype=torch.int64)
-            self._isend(header.to(self._device), dst, tag)
-            self._isend(value.detach().contiguous(), dst, tag)
-            return [value] if value.requires_grad else []
-        leaves, spec = tree_flatten(value)
-        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-        meta = pickle.dumps(
-            (
-                spec,
-                [None if isinstance(leaf, Tensor) else leaf for leaf in leaves],
-                [(_dtype_code(t), tuple(t.shape), t.requires_grad) for t in tensors],
-            )
-        )
-        header[:2] = torch.tensor([_KIND_TREE, len(meta)])
-        self._isend(header.to(self._device), dst, tag)
-        self._isend(torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self._device), dst, tag)
-        for tensor in tensors:
-            self._isend(tensor.detach().contiguous(), dst, tag)
+        layout, tensors = _describe(value)
+        expected = self._sent.get((dst, tag))
+        if expected is not None and expected != layout:
+            self._isend(_flagged(torch.empty(_size(expected), dtype=torch.uint8), _CHANGED), dst, tag)
+        if expected != layout:
+            self._send_layout(layout, dst, tag)
+            self._sent[(dst, tag)] = layout
+        self._isend(_pack(tensors, layout, self._device), dst, tag)
         return [t for t in tensors if t.requires_grad]
+
+    def post_activation(self, *, src: int, tag: int) -> None:
+        """Post the receive of the next activation from ``src`` now, so that gloo can move it while this rank
+        computes (it moves a message once the receiver has posted its buffer). Needs the link's layout; the
+        flag byte still catches a change, because a sender always first sends a message of the expected size."""
+        layout = self._received.get((src, tag))
+        if layout is not None and (src, tag) not in self._posted:
+            buffer = torch.empty(_size(layout) + 1, dtype=torch.uint8, device=self._device)
+            self._posted[(src, tag)] = (dist.irecv(buffer, src=src, group=self._group, tag=tag), buffer)
 
     def recv_activation(self, *, src: int, requires_grad: bool, tag: int) -> tuple[Any, list[Tensor]]:
         """Receive an activation; returns it (`NOTHING` if none was sent) and its leaves that require grad."""
-        received_header = self._recv((_HEADER,), torch.int64, src, tag)
-        header = received_header.tolist()  # sync: the receiver needs the shapes before it can post the data
-        kind = header[0]
-        if kind == _KIND_NOTHING:
-            return NOTHING, []
-        if kind == _KIND_TENSOR:
-            dtype, grad, ndim = _DTYPES[header[1]], bool(header[2]), header[3]
-            tensor = self._recv(tuple(header[4 : 4 + ndim]), dtype, src, tag)
-            leaf = _as_leaf(tensor, grad and requires_grad)
-            return leaf, [leaf] if leaf.requires_grad else []
-        meta = self._recv((header[1],), torch.uint8, src, tag).cpu()
-        spec, leaves, tensor_meta = pickle.loads(meta.numpy().tobytes())
-        received = []
-        for code, shape, grad in tensor_meta:
-            received.append(_as_leaf(self._recv(shape, _DTYPES[code], src, tag), grad and requires_grad))
-        it = iter(received)
-        leaves = [next(it) if leaf is None else leaf for leaf in leaves]
-        return tree_unflatten(leaves, spec), [t for t in received if t.requires_grad]
+        layout = self._received.get((src, tag))
+        if layout is not None:
+            posted = self._posted.pop((src, tag), None)
+            if posted is None:
+                buffer = self._recv((_size(layout) + 1,), torch.uint8, src, tag)
+            else:
+                posted[0].wait()
+                buffer = posted[1]
+            if int(buffer[-1]) == _SAME:  # sync: a byte, read once the message is here anyway
+                return _unpack(buffer, layout, requires_grad)
+        layout = self._recv_layout(src, tag)
+        self._received[(src, tag)] = layout
+        return _unpack(self._recv((_size(layout) + 1,), torch.uint8, src, tag), layout, requires_grad)
 
     def send_grads(self, leaves: list[Tensor], *, dst: int, tag: int) -> None:
         """Send the gradients of received ``leaves`` back (zeros for a leaf the step did not use)."""
@@ -117,15 +109,35 @@ class Transport:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             self._isend(grad.contiguous(), dst, tag)
 
-    def recv_grads(self, outputs: list[Tensor], *, src: int, tag: int) -> list[Tensor]:
-        """Receive the gradients of the sent ``outputs``, one per tensor, in order."""
-        return [self._recv(tuple(t.shape), t.dtype, src, tag) for t in outputs]
+    def post_grads(self, outputs: list[Tensor], *, src: int, tag: int) -> list[tuple[dist.Work, Tensor]]:
+        """Post the receives of the gradients of the sent ``outputs`` (one per tensor, in order); `wait_grads`
+        returns them. Posting at send time lets them arrive while this rank computes."""
+        posted = []
+        for output in outputs:
+            buffer = torch.empty(output.shape, dtype=output.dtype, device=self._device)
+            posted.append((dist.irecv(buffer, src=src, group=self._group, tag=tag), buffer))
+        return posted
+
+    @staticmethod
+    def wait_grads(posted: list[tuple[dist.Work, Tensor]]) -> list[Tensor]:
+        for work, _ in posted:
+            work.wait()
+        return [buffer for _, buffer in posted]
 
     def wait_sends(self) -> None:
         """Wait for every send of this step (and drop the buffers they kept alive)."""
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+
+    def _send_layout(self, layout: _Layout, dst: int, tag: int) -> None:
+        described = pickle.dumps(layout)
+        self._isend(torch.tensor([len(described)], dtype=torch.int64, device=self._device), dst, tag)
+        self._isend(torch.frombuffer(bytearray(described), dtype=torch.uint8).to(self._device), dst, tag)
+
+    def _recv_layout(self, src: int, tag: int) -> _Layout:
+        length = int(self._recv((1,), torch.int64, src, tag))  # sync: the size of what comes next
+        return pickle.loads(self._recv((length,), torch.uint8, src, tag).cpu().numpy().tobytes())
 
     def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
         work = dist.isend(tensor, dst=dst, group=self._group, tag=tag)
@@ -137,15 +149,106 @@ class Transport:
         return tensor
 
 
-def _as_leaf(tensor: Tensor, requires_grad: bool) -> Tensor:
-    return tensor.requires_grad_(True) if requires_grad and tensor.is_floating_point() else tensor
+def share(value: Any, *, group: dist.ProcessGroup, src: int, device: torch.device, state: dict[str, Any]) -> Any:
+    """``value`` of rank ``src`` (global), on every rank of ``group``: one broadcast when its layout is the one of
+    the previous call (kept in ``state``, the same dict on every call from one place), three when it changed."""
+    is_src = dist.get_rank() == src
+    expected = state.get("layout")
+    layout, tensors = _describe(value) if is_src else (None, [])
+    if expected is not None:
+        buffer = (
+            _pack(tensors, expected, device, flag=_SAME)
+            if layout == expected
+            else _flagged(torch.empty(_size(expected), dtype=torch.uint8, device=device), _CHANGED)
+        )
+        if not is_src:
+            buffer = torch.empty(_size(expected) + 1, dtype=torch.uint8, device=device)
+        dist.broadcast(buffer, src=src, group=group)
+        if int(buffer[-1]) == _SAME:  # sync: the result is needed on the host side of the loop anyway
+            return value if is_src else _unpack(buffer, expected, requires_grad=False)[0]
+    box = [layout]
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
+    state["layout"] = layout = box[0]
+    buffer = (
+        _pack(tensors, layout, device) if is_src else torch.empty(_size(layout) + 1, dtype=torch.uint8, device=device)
+    )
+    dist.broadcast(buffer, src=src, group=group)
+    return value if is_src else _unpack(buffer, layout, requires_grad=False)[0]
 
 
-def _dtype_code(tensor: Tensor) -> int:
-    try:
-        return _CODE[tensor.dtype]
-    except KeyError:
-        raise ValueError(
-            f"a pipeline activation has dtype {tensor.dtype}, which lightning_smp cannot send between stages; "
-            f"use one of {', '.join(map(str, _DTYPES))}."
-        ) from None
+# -- layouts -------------------------------------------------------------------------------------------------------
+
+
+def _describe(value: Any) -> tuple[_Layout, list[Tensor]]:
+    if value is NOTHING:
+        return ("nothing",), []
+    if isinstance(value, Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), value.requires_grad), [value]
+    leaves, spec = tree_flatten(value)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
+    structure = pickle.dumps((spec, [_SLOT if isinstance(leaf, Tensor) else leaf for leaf in leaves]))
+    metas = tuple((t.dtype, tuple(t.shape), t.requires_grad) for t in tensors)
+    return ("tree", structure, metas), tensors
+
+
+def _metas(layout: _Layout) -> tuple[tuple[torch.dtype, tuple[int, ...], bool], ...]:
+    if layout[0] == "nothing":
+        return ()
+    if layout[0] == "tensor":
+        return (layout[1:],)
+    return layout[2]
+
+
+def _offsets(layout: _Layout) -> tuple[list[int], int]:
+    offsets, end = [], 0
+    for dtype, shape, _ in _metas(layout):
+        start = -(-end // _ALIGN) * _ALIGN
+        offsets.append(start)
+        end = start + _numel(shape) * dtype.itemsize
+    return offsets, end
+
+
+def _size(layout: _Layout) -> int:
+    return _offsets(layout)[1]
+
+
+def _pack(tensors: list[Tensor], layout: _Layout, device: torch.device, flag: int = _SAME) -> Tensor:
+    offsets, size = _offsets(layout)
+    if len(tensors) == 1 and offsets == [0]:
+        data = tensors[0].detach().contiguous().reshape(-1).view(torch.uint8)
+        return torch.cat([data, torch.tensor([flag], dtype=torch.uint8, device=data.device)])
+    buffer = torch.zeros(size + 1, dtype=torch.uint8, device=device)
+    for tensor, start in zip(tensors, offsets, strict=True):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[start : start + data.numel()].copy_(data)
+    buffer[-1] = flag
+    return buffer
+
+
+def _unpack(buffer: Tensor, layout: _Layout, requires_grad: bool) -> Any:
+    if layout[0] == "nothing":
+        return NOTHING, []
+    offsets, _ = _offsets(layout)
+    tensors = []
+    for (dtype, shape, grad), start in zip(_metas(layout), offsets, strict=True):
+        tensor = buffer[start : start + _numel(shape) * dtype.itemsize].view(dtype).view(shape)
+        if grad and requires_grad and tensor.is_floating_point():
+            tensor.requires_grad_(True)
+        tensors.append(tensor)
+    leaves_with_grad = [t for t in tensors if t.requires_grad]
+    if layout[0] == "tensor":
+        return tensors[0], leaves_with_grad
+    spec, leaves = pickle.loads(layout[1])
+    it = iter(tensors)
+    return tree_unflatten([next(it) if leaf is _SLOT else leaf for leaf in leaves], spec), leaves_with_grad
+
+
+def _flagged(buffer: Tensor, flag: int) -> Tensor:
+    return torch.cat([buffer, torch.tensor([flag], dtype=torch.uint8, device=buffer.device)])
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

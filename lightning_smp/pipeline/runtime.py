@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 from lightning_smp.optimizer import mark_norm_duplicate
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
-from lightning_smp.pipeline.p2p import NOTHING, Transport
+from lightning_smp.pipeline.p2p import NOTHING, Transport, share
 from lightning_smp.pipeline.partition import (
     PartitionPlan,
     assigned_partition,
@@ -109,6 +109,7 @@ class _Live:
 
     leaves: list[Tensor]
     outputs: list[Tensor] = field(default_factory=list)
+    grads: list[Any] = field(default_factory=list)  # the posted receives of the outputs' gradients
     loss: Tensor | None = None
 
 
@@ -151,6 +152,7 @@ class PipelineEngine:
         self._pending: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._outside_checked = False
         self._outside_owner: dict[str, int] = {}
+        self._share_state: dict[bool, dict[str, Any]] = {}
 
     @property
     def plan(self) -> PartitionPlan:
@@ -233,6 +235,9 @@ class PipelineEngine:
             training=state.training,
         )
         transport = self._transport_()
+        for chunk in self._plan.chunks_of(self._stage):
+            if chunk > 0:
+                transport.post_activation(src=transport.peer(-1), tag=2 * (chunk - 1))
         for action in plan:
             if action.forward:
                 self._forward(action, state, transport)
@@ -248,6 +253,8 @@ class PipelineEngine:
             received, leaves = transport.recv_activation(
                 src=transport.peer(-1), requires_grad=state.training, tag=2 * (chunk - 1)
             )
+            if index < len(state.microbatches) - 1:  # every step sends m activations per link, in order
+                transport.post_activation(src=transport.peer(-1), tag=2 * (chunk - 1))
         capture = _LogCapture(self._module)
         exited = False
         with self._router.run(chunk, received) as call, capture:
@@ -275,7 +282,8 @@ class PipelineEngine:
             output = NOTHING  # the step does not use the trunk: every stage runs it whole
         sent = transport.send_activation(output, dst=transport.peer(1), tag=2 * chunk)
         if state.training:
-            state.live[(index, chunk)] = _Live(leaves, outputs=sent)
+            grads = transport.post_grads(sent, src=transport.peer(1), tag=2 * chunk + 1)
+            state.live[(index, chunk)] = _Live(leaves, outputs=sent, grads=grads)
 
     def _backward(self, action: schedules.Action, state: _Step, transport: Transport) -> None:
         chunk = action.chunk
@@ -284,7 +292,7 @@ class PipelineEngine:
             if live.loss is not None and live.loss.requires_grad:
                 torch.autograd.backward(live.loss.float() * state.factor)
         else:
-            grads = transport.recv_grads(live.outputs, src=transport.peer(1), tag=2 * chunk + 1)
+            grads = transport.wait_grads(live.grads)
             if live.outputs:
                 torch.autograd.backward(live.outputs, grads)
         if chunk > 0:
@@ -292,19 +300,20 @@ class PipelineEngine:
 
     def _share(self, state: _Step) -> Any:
         """The last stage's merged output and reduced ``self.log`` calls, on every stage; the logs replayed."""
-        is_last = self._topology.is_last_stage
-        package: list[Any] = [None]
-        if is_last:
+        package = None
+        if self._topology.is_last_stage:
             indices = sorted(state.outputs)
-            merged = merge_outputs([_detach(state.outputs[i]) for i in indices])
-            calls = _reduce_logs([state.logs[i] for i in indices])
-            package = [(_to(merged, torch.device("cpu")), _to(calls, torch.device("cpu")))]
-        group = self._topology.group("pp")
-        dist.broadcast_object_list(package, src=self._topology.ranks("pp")[-1], group=group)
-        device = self._device()
-        received, calls = _to(package[0], device)
-        if not is_last:
-            merged = received
+            package = (
+                merge_outputs([_detach(state.outputs[i]) for i in indices]),
+                _reduce_logs([state.logs[i] for i in indices]),
+            )
+        merged, calls = share(
+            package,
+            group=self._topology.group("pp"),
+            src=self._topology.ranks("pp")[-1],
+            device=self._device(),
+            state=self._share_state.setdefault(state.training, {}),
+        )
         for name, value, options in calls:
             self._module.log(name, value, **options)
         return merged
@@ -407,6 +416,8 @@ class _LogCapture:
                 "Metric, and compute epoch-level metrics in an epoch-end hook."
             )
         options.pop("sync_dist_group", None)  # a process group cannot be sent; the strategy's default is used
+        if not isinstance(value, Tensor):
+            value = torch.tensor(float(value), dtype=torch.float64)  # numbers ride in the shared tensor buffer
         reduce_fx = options.get("reduce_fx", "mean")
         options["reduce_fx"] = _REDUCE_NAMES.get(reduce_fx, reduce_fx)
         self.calls.append((name, _detach(value), options))
@@ -435,10 +446,6 @@ def _loss_of(output: Any) -> Tensor:
 
 def _detach(value: Any) -> Any:
     return tree_map(lambda x: x.detach() if isinstance(x, Tensor) else x, value)
-
-
-def _to(value: Any, device: torch.device) -> Any:
-    return tree_map(lambda x: x.to(device) if isinstance(x, Tensor) else x, value)
 
 
 def _all_reduce(grads: list[Tensor], group: dist.ProcessGroup, *, divide_by: int) -> None:
