@@ -22,6 +22,7 @@ from lightning_smp.pipeline.partition import (
 )
 from lightning_smp.pipeline.runtime import _classify_parameters
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter
+from lightning_smp.pipeline.trace import measure_children
 
 Pair = namedtuple("Pair", ["x", "y"])
 
@@ -214,6 +215,37 @@ def test_plans_from_sizes_the_cost_model_or_the_smp_placement():
         plan_partition("blocks", children, stages=8)
     with pytest.raises(ValueError, match=r"partition=\(4, 1\) places 5 trunk children, but 'blocks' has 6"):
         plan_partition("blocks", children, stages=2, sizes=(4, 1))
+
+
+class _Wide(nn.Module):
+    """Few parameters but wide activations up front, many parameters and narrow activations at the end."""
+
+    def __init__(self, skip=False):
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(4, 256), nn.ReLU(), nn.Linear(256, 4), nn.Linear(4, 4))
+        self.skip = skip
+
+    def forward(self, x):
+        if not self.skip:
+            return self.trunk(x)
+        h = self.trunk[0](x)
+        h = self.trunk[1](h)
+        return self.trunk[3](self.trunk[2](h) + x[:, :4])
+
+
+def test_example_input_array_measures_flops_and_activations_and_checks_the_chain_at_setup():
+    model = _Wide()
+    children = describe_children(model.trunk, "trunk")
+    measured = measure_children(model, model.trunk, children, torch.zeros(8, 4))
+    assert [c.flops for c in measured] == [2 * 4 * 256, 0, 2 * 256 * 4, 2 * 4 * 4]  # forward FLOPs per sample
+    assert [c.activation_bytes for c in measured] == [8 * 256 * 4, 8 * 256 * 4, 8 * 4 * 4, 8 * 4 * 4]
+    assert all(p.grad is None for p in model.parameters())
+    compute_only = balance(child_weights(measured, 0.0), 2)
+    memory_only = balance(child_weights(measured, 1.0), 2)
+    assert compute_only != memory_only  # memory_weight moves the boundary once activations are known
+    skipping = _Wide(skip=True)
+    with pytest.raises(RuntimeError, match=r"'trunk\.3' did not get the previous child's output"):
+        measure_children(skipping, skipping.trunk, children, torch.zeros(8, 4))
 
 
 def test_smp_placement_must_follow_the_trunk_and_fill_every_stage():

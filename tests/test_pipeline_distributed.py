@@ -355,6 +355,11 @@ def _errors() -> dict:
                 x = block(x, mask) + first  # the embedding output would have to cross every stage boundary
             return self.head(self.norm(x))
 
+    class SkipConnectionTraced(SkipConnection):
+        def __init__(self):
+            super().__init__()
+            self.example_input_array = torch.zeros(2, SEQ, dtype=torch.long)  # traced at setup, as smp did
+
     class OneBlock(TinyGPT):
         def __init__(self):
             super().__init__()
@@ -364,6 +369,7 @@ def _errors() -> dict:
         "no_trunk": (NoTrunk, {}, PP2),
         "too_many_stages": (OneBlock, {}, PP2),
         "indivisible": (TinyGPT, {"batch_size": 6}, PP2),
+        "skip_at_setup": (SkipConnectionTraced, {}, PP2),
         "skip": (SkipConnection, {}, PP2),  # last: it breaks the connection between the ranks
     }
     for name, (cls, model_kwargs, strategy_kwargs) in cases.items():
@@ -477,6 +483,7 @@ def test_pp2_user_errors_are_clear_and_raised_on_every_rank(two_ranks):
     assert "has no nn.Sequential or nn.ModuleList" in first["no_trunk"]
     assert "'blocks' has 1 children, fewer than the 2 pipeline stages" in first["too_many_stages"]
     assert "has 6 samples on dim 0, which microbatches=4 does not divide" in first["indivisible"]
+    assert "'blocks.1' did not get the previous child's output" in first["skip_at_setup"]
     # A cut skip connection is found where it breaks the chain, on the first stage; the next stage, waiting for
     # that stage's activation, fails too (gloo reports the closed connection) instead of hanging.
     assert "did not get the previous child's output as its first argument" in skip

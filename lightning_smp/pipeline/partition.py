@@ -49,7 +49,7 @@ class ChildCost:
     flops: float | None = None
     """Forward FLOPs per sample, when measured (``example_input_array``); None: estimated from ``params``."""
     activation_bytes: int | None = None
-    """Bytes of its output per sample, when measured; None: unknown (counted as 0)."""
+    """Bytes of its output on ``example_input_array`` (kept for backward), when measured; None: unknown (0)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,15 +193,15 @@ def _candidates_text(root: nn.Module) -> str:
 def child_weights(children: Sequence[ChildCost], memory_weight: float) -> list[float]:
     """Each child's share of the work: ``memory_weight`` x its share of memory + (1 - ``memory_weight``) x its
     share of compute (smp's trade-off). Compute is measured FLOPs when every child has them, else the parameter
-    count (a block's matmul FLOPs per token are proportional to its weights); memory is parameter bytes plus
-    measured activation bytes."""
+    count (a block's matmul FLOPs per token are proportional to its weights); memory is the training state of
+    its parameters (weights, grads and two Adam moments: 4 x their bytes) plus its measured activation bytes."""
     if not children:
         return []
     if all(c.flops is not None for c in children):
         compute = [float(c.flops or 0.0) for c in children]
     else:
         compute = [float(c.params) for c in children]
-    memory = [float(c.param_bytes or c.params) + float(c.activation_bytes or 0) for c in children]
+    memory = [4.0 * float(c.param_bytes or c.params) + float(c.activation_bytes or 0) for c in children]
     return [
         memory_weight * m + (1.0 - memory_weight) * c for m, c in zip(_shares(memory), _shares(compute), strict=True)
     ]

@@ -41,6 +41,7 @@ from lightning_smp.pipeline.partition import (
     plan_partition,
 )
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter
+from lightning_smp.pipeline.trace import measure_children
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -64,6 +65,8 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         )
     trunk_name, trunk = find_trunk(module, config.pipeline_module)
     children = describe_children(trunk, trunk_name)
+    if getattr(module, "example_input_array", None) is not None:
+        children = measure_children(module, trunk, children, module.example_input_array)
     assignment = None
     if not config.auto_partition and config.partition is None:
         assignment = [assigned_partition(child) for child in trunk.children()]

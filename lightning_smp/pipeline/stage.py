@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from lightning_smp.pipeline.p2p import NOTHING
 from lightning_smp.pipeline.partition import PartitionPlan
 
-__all__ = ["StageExit", "TrunkRouter"]
+__all__ = ["StageExit", "TrunkRouter", "check_chain", "check_no_skip_connection"]
 
 
 class StageExit(BaseException):
@@ -116,14 +116,7 @@ class TrunkRouter:
                 "step. A pipelined trunk must run each child once per step, in order; run this container once per "
                 "training_step, or name another with pipeline_module='...'."
             )
-        activation = _first(args, index, self._plan)
-        if index > 0 and activation is not call.last_output:
-            raise RuntimeError(
-                f"trunk child {name!r} did not get the previous child's output as its first argument. Between "
-                "pipeline stages only that output travels, so the trunk must be a chain: `x = block(x, ...)` with "
-                "nothing applied to x between children. Move code between children into the blocks, or name "
-                "another container with pipeline_module='...'."
-            )
+        activation = check_chain(name, index, args, call.last_output)
         call.next_index = index + 1
         if index < call.entry:
             output = activation  # computed by an earlier stage
@@ -140,7 +133,7 @@ class TrunkRouter:
                         "did not run the trunk. A pipelined step must run the trunk for every microbatch, or for "
                         "none (the same code path on every rank)."
                     )
-            _check_no_skip_connection(name, args[1:], kwargs)
+            check_no_skip_connection(name, args[1:], kwargs)
             output = forward(*args, **kwargs)
         call.last_output = output
         if index == call.exit:
@@ -164,15 +157,33 @@ class _RoutedForward:
 
 
 def _first(args: tuple, index: int, plan: PartitionPlan) -> Any:
+    return _first_argument(plan.children[index].name, args)
+
+
+def _first_argument(name: str, args: tuple) -> Any:
     if not args:
         raise RuntimeError(
-            f"trunk child {plan.children[index].name!r} was called without a positional argument; pipelined "
-            "children take the activation as their first positional argument: `x = block(x, mask=mask)`."
+            f"trunk child {name!r} was called without a positional argument; pipelined children take the "
+            "activation as their first positional argument: `x = block(x, mask=mask)`."
         )
     return args[0]
 
 
-def _check_no_skip_connection(name: str, args: tuple, kwargs: dict) -> None:
+def check_chain(name: str, index: int, args: tuple, previous_output: Any) -> Any:
+    """The activation a trunk child got (its first argument); raises unless it is the previous child's output."""
+    activation = _first_argument(name, args)
+    if index > 0 and activation is not previous_output:
+        raise RuntimeError(
+            f"trunk child {name!r} did not get the previous child's output as its first argument. Between "
+            "pipeline stages only that output travels, so the trunk must be a chain: `x = block(x, ...)` with "
+            "nothing applied to x between children. Move code between children into the blocks, or name "
+            "another container with pipeline_module='...'."
+        )
+    return activation
+
+
+def check_no_skip_connection(name: str, args: tuple, kwargs: dict) -> None:
+    """Raises if an extra input of a trunk child (beyond the activation) needs a gradient."""
     if not torch.is_grad_enabled():
         return
     for value in (*args, *kwargs.values()):
