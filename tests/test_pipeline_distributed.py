@@ -388,7 +388,7 @@ FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**16}}  # one overf
 CLIP = 0.5
 LAYOUTS_2 = {
     "gpt_1f1b": ("gpt", {}, PP2),
-    "gpt_simple": ("gpt", {}, {**PP2, "pipeline": "simple"}),
+    "gpt_simple": ("gpt", {}, {**PP2, "pipeline": "simple", "partition": [1, 3]}),  # manual stage sizes
     "cnn_1f1b": ("cnn", {}, PP2),
     "cnn_simple": ("cnn", {}, {**PP2, "pipeline": "simple", "active_microbatches": 2}),
     "gpt_fp16": ("gpt", {}, {**PP2, **FP16}),

@@ -17,6 +17,7 @@ calls. Not owned: the plan (partition.py, schedule.py), routing inside the trunk
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
 __all__ = ["PipelineEngine", "build_engine"]
+
+log = logging.getLogger(__name__)
 
 _BUCKET_ELEMENTS = 1 << 24
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
@@ -97,6 +100,7 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         )
     )
     stage = topology.rank("pp")
+    log.debug("PipelineEngine: stage %d of %d holds trunk children %s", stage, topology.pp, plan.owned(stage))
     router = TrunkRouter(trunk, plan, stage)
     if topology.pp > 1 and topology.is_last_stage:
         for param in tied:
@@ -271,7 +275,7 @@ class PipelineEngine:
                     f"the last pipeline stage received microbatch {index}'s activation, but its step never reached "
                     "the trunk. The step must run the trunk for every microbatch, or for none."
                 )
-            state.outputs[index] = output
+            state.outputs[index] = _detach(output)  # the loss keeps its graph in `live` until its backward
             state.logs[index] = capture.calls
             if state.training:
                 state.live[(index, chunk)] = _Live(leaves, loss=_loss_of(output))
@@ -307,7 +311,7 @@ class PipelineEngine:
         if self._topology.is_last_stage:
             indices = sorted(state.outputs)
             package = (
-                merge_outputs([_detach(state.outputs[i]) for i in indices]),
+                merge_outputs([state.outputs[i] for i in indices]),
                 _reduce_logs([state.logs[i] for i in indices]),
             )
         merged, calls = share(
