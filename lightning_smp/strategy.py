@@ -212,6 +212,7 @@ class SMPStrategy(DDPStrategy):
             tp=config.tensor_parallel_degree,
             order=config.placement_order,
             device_type=self.root_device.type,
+            timeout=self._timeout,
         )
         plugin = self.precision_plugin
         if isinstance(plugin, SMPPrecision):

@@ -11,12 +11,14 @@ mesh whose dims follow the placement order has exactly the layout of ``rank_grou
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from datetime import timedelta
 from itertools import product
 from types import MappingProxyType
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout
 
 __all__ = ["AXES", "Topology", "build", "coordinates", "rank_groups"]
 
@@ -149,11 +151,13 @@ class Topology:
         return dist.get_process_group_ranks(self.group(axis))
 
 
-def build(*, dp: int, pp: int, tp: int, order: str, device_type: str) -> Topology:
+def build(*, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: timedelta | None = None) -> Topology:
     """Create the DeviceMesh and every process group of the run.
 
     Call it once on every rank, with the same arguments (group creation is collective), after the default
     process group exists. ``order`` is as in ``rank_groups``; ``device_type`` is the mesh's ("cuda", "cpu").
+    ``timeout`` applies to every group made here, as to the default group: torch would otherwise give the
+    subgroups its own default (30 minutes on gloo), and a rank stuck in a tp or pp collective would outwait it.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -193,6 +197,10 @@ def build(*, dp: int, pp: int, tp: int, order: str, device_type: str) -> Topolog
         _embedding_group=embedding_group,
     )
     _check_groups(topology, layout)
+    if timeout is not None:
+        groups = [*(mesh.get_group() for mesh in meshes.values()), embedding_group]
+        for group in {id(g): g for g in groups if g is not None}.values():
+            _set_pg_timeout(timeout, group)
     log.info(
         "lightning_smp topology: dp=%d pp=%d tp=%d order=%s world_size=%d; rank %d is %s",
         dp,

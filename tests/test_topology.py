@@ -1,6 +1,7 @@
 import dataclasses
 import itertools
 import logging
+from datetime import timedelta
 from unittest import mock
 
 import pytest
@@ -243,3 +244,18 @@ def test_world_4_groups_match_the_layout(four_ranks, layout):
                 expected[axis] = (len(group), group.index(rank), group, sum(group))
         assert view == expected, f"rank {rank}"
         assert {axis: view[axis][1] for axis in ("dp", "pp", "tp")} == coords
+
+
+def _group_timeouts(rank: int) -> list[float]:
+    init_gloo()
+    topology = build(dp=1, pp=2, tp=2, order="cluster", device_type="cpu", timeout=timedelta(seconds=42))
+    return [
+        topology.group(axis)._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+        for axis in ("pp", "tp", "mp", "dp_tp")
+    ]
+
+
+@pytest.mark.timeout(120)
+def test_every_group_gets_the_strategy_timeout():
+    for timeouts in run_distributed(_group_timeouts, 4, timeout=100):
+        assert timeouts == [42.0] * 4
