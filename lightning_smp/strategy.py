@@ -1,20 +1,19 @@
 """SMPStrategy: the Lightning strategy that runs an smp-configured job, and its registered names.
 
-It owns the run's lifecycle: turning constructor arguments into one `SMPConfig`, building the `Topology` once
-the process group exists, owning the precision plugin (Lightning would otherwise replace it, see
-reference/lightning-2.6.md), sampling data by data-parallel rank, all-reducing gradients over the data-parallel
-group, and activating the `smp` facade. It extends `DDPStrategy` because launching, process-group setup and
-bucketed, backward-overlapped gradient all-reduce are exactly DDP's; with one replica it skips the DDP wrapper.
+It owns the run's lifecycle and hands each concern to its module: constructor arguments become one `SMPConfig`;
+once the process group exists it builds the `Topology`, activates the `smp` facade, splits the model over the
+tensor-parallel ranks (`tensor_parallel`) and keeps this rank's pipeline stage (`pipeline`), whose engine then runs
+every step; it owns the precision plugin (Lightning would otherwise replace it, see reference/lightning-2.6.md),
+samples data by data-parallel rank, reduces logged values over the replicas, saves and loads sharded checkpoints
+(`checkpoint`) and ends every rank on a failure (`fault_tolerance`). It extends `DDPStrategy` because launching,
+process-group setup and bucketed, backward-overlapped gradient all-reduce are DDP's; with one replica, or under
+pipeline parallelism (whose engine all-reduces itself), it skips the DDP wrapper.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
-import subprocess
-import threading
-import time
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -40,8 +39,8 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_smp import checkpoint as checkpointing
+from lightning_smp import fault_tolerance, tensor_parallel
 from lightning_smp import smp as smp_facade
-from lightning_smp import tensor_parallel
 from lightning_smp import topology as topology_builder
 from lightning_smp.config import SMPConfig
 from lightning_smp.optimizer import MasterWeightOptimizer
@@ -54,8 +53,6 @@ log = logging.getLogger(__name__)
 __all__ = ["SMPStrategy", "register_strategies"]
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
-
-_NOT_YET = {}
 
 
 class SMPStrategy(DDPStrategy):
@@ -130,11 +127,10 @@ class SMPStrategy(DDPStrategy):
         arguments = locals()
         explicit = {name: arguments[name] for name in _DEFAULTS if arguments[name] != _DEFAULTS[name]}
         self._config = SMPConfig.from_sources(explicit, smp_options=smp_options)
-        _refuse_not_yet_implemented(self._config)
         for line in self._config.inactive_settings():
             rank_zero_warn(line)
         self._topology: Topology | None = None
-        self._sigterm = _SchedulerSignal()
+        self._sigterm = fault_tolerance.SchedulerSignal()
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
         super().__init__(
@@ -455,15 +451,8 @@ class SMPStrategy(DDPStrategy):
                 "HINT: some parameters of your LightningModule were not used to produce the loss. If that is "
                 "intended, pass `SMPStrategy(find_unused_parameters=True)`."
             )
-        if self.world_size > 1 and any(sign in str(exception) for sign in _PEER_LOST):
-            notes.append(
-                f"lightning_smp: rank {self.global_rank} of {self.world_size} lost a peer: another rank of this job "
-                f"died or did not answer within the process-group timeout ({self._timeout}; "
-                "`SMPStrategy(timeout=...)`), so this rank stops too. The first error is in that rank's output; a "
-                "rank killed by the system (out of memory, a scheduler) prints nothing, its exit code below says so."
-            )
-        notes += _end_launched_ranks(
-            self.launcher, grace_s=min(self._timeout.total_seconds(), 30.0) if self._timeout else 30.0
+        notes += fault_tolerance.explain_failure(
+            exception, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, launcher=self.launcher
         )
         if notes and isinstance(exception, Exception):  # SystemExit (e.g. SIGTERM) keeps its exit code
             message = exception.args[0] if exception.args else str(exception)
@@ -480,92 +469,6 @@ class SMPStrategy(DDPStrategy):
         register_strategies(strategy_registry)
 
 
-class _SchedulerSignal:
-    """SIGTERM handling that stops every rank after the same training step.
-
-    Lightning 2.6's handler broadcasts inside the signal handler (`_SignalConnector._sigterm_notifier_fn`) and each
-    rank acts on its own flag at the end of a step. When a scheduler signals every rank, as SLURM and Kubernetes
-    do, those broadcasts interleave with the step's collectives and the job hangs until the process-group timeout.
-    Here the handler only notes the signal (and passes it to the ranks this process launched); once per training
-    step every rank shares what it noted, and Lightning's flag is set on all ranks at once, so all of them stop
-    after that step and exit cleanly. A signal that arrives during a checkpoint save is held until the save is
-    whole (`checkpoint.save`).
-    """
-
-    def __init__(self) -> None:
-        self._trainer: pl.Trainer | None = None
-        self._noted = False
-
-    def install(self, trainer: pl.Trainer) -> None:
-        self._trainer, self._noted = trainer, False
-        if trainer.world_size > 1:
-            trainer._signal_connector._sigterm_notifier_fn = self._note  # Lightning registers it after setup
-
-    def _note(self, signum: int, frame: Any) -> None:
-        trainer = self._trainer
-        log.info("lightning_smp: rank %d received signal %d", trainer.global_rank, signum)
-        if not self._noted and trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signum)
-        self._noted = True
-        if trainer.state.fn != TrainerFn.FITTING:  # no training steps to agree at: each rank stops at its next batch
-            trainer._signal_connector.received_sigterm = True
-
-    def agree(self, device: torch.device) -> None:
-        """Collective, at the start of every training step on every rank."""
-        trainer = self._trainer
-        if trainer is None or trainer.world_size == 1 or trainer.received_sigterm:
-            return
-        noted = torch.tensor([float(self._noted)], device=device)
-        dist.all_reduce(noted, op=dist.ReduceOp.MAX)
-        if noted.item():  # sync: as Lightning's own SIGTERM broadcast at every step
-            trainer._signal_connector.received_sigterm = True
-
-
-# What gloo and NCCL say when a peer has died or stopped answering.
-_PEER_LOST = (
-    "Connection closed by peer",
-    "Connection reset by peer",
-    "Broken pipe",
-    "Timed out waiting",
-    "collective operation timeout",
-    "communicator was aborted",
-)
-
-
-def _end_launched_ranks(launcher: Any, *, grace_s: float) -> list[str]:
-    """In the process that launched this node's other ranks (Lightning's subprocess launcher): close this rank's
-    process groups, so ranks waiting on it fail at once rather than at the timeout, wait up to ``grace_s`` for
-    the launched ranks to stop, kill those that do not (one stuck outside any collective never would), and say how
-    each one that failed ended. Elsewhere (torchrun, SLURM, ...) the launcher ends the job; returns nothing."""
-    procs = getattr(launcher, "procs", None) or []
-    if not procs:
-        return []
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer":  # Lightning's: it would SIGKILL this process mid-report
-            thread._run = lambda: True  # type: ignore[attr-defined]
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as error:
-            log.debug("lightning_smp: closing the process groups after a failure: %s", error)
-    deadline = time.monotonic() + grace_s
-    notes = []
-    for local_rank, proc in enumerate(procs, start=1):
-        try:
-            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            notes.append(f"local rank {local_rank} (pid {proc.pid}) had not stopped {grace_s:.0f}s later: killed it")
-            continue
-        if proc.returncode:
-            how = f"exit code {proc.returncode}"
-            if proc.returncode < 0 and -proc.returncode in signal.valid_signals():
-                how = f"signal {signal.Signals(-proc.returncode).name}"
-            notes.append(f"local rank {local_rank} (pid {proc.pid}) ended with {how}")
-    return notes
-
-
 def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
     """Make torchmetrics sync over the data-parallel group, as `SMPStrategy.reduce` does: by default a ``Metric``
     syncs over the whole job, where tensor/pipeline ranks would count the same samples again."""
@@ -580,16 +483,6 @@ def _sync_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
     """Broadcast the first data-parallel replica's parameters and buffers to the others (what DDP does)."""
     if topology.size("dp") > 1:
         _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
-
-
-def _refuse_not_yet_implemented(config: SMPConfig) -> None:
-    for name, feature in _NOT_YET.items():
-        value = getattr(config, name)
-        if value != 1:
-            raise ValueError(
-                f"{name}={value}: {feature} is not available yet in this version of lightning_smp. "
-                f"Set {name}=1 (data parallelism with fp16/bf16 master weights works today)."
-            )
 
 
 # name, description, init params

@@ -13,7 +13,6 @@ import yaml
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_smp import SMPConfig, SMPPrecision, SMPStrategy, cli
-from lightning_smp.strategy import _NOT_YET
 
 _ROOT = Path(__file__).resolve().parents[1]
 _CONFIGS = _ROOT / "examples" / "configs"
@@ -125,31 +124,12 @@ def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.Comp
     return result
 
 
-def _not_yet(config_path: Path) -> str | None:
-    """The feature a config needs that `lightning_smp.strategy._NOT_YET` still lists, or None."""
-    strategy = yaml.safe_load(config_path.read_text())["trainer"].get("strategy")
-    if not isinstance(strategy, dict):
-        return None
-    init_args = dict(strategy.get("init_args", {}))
-    smp_options = init_args.pop("smp_options", None)
-    config = SMPConfig.from_sources(
-        {key: value for key, value in init_args.items() if key in {f.name for f in dataclasses.fields(SMPConfig)}},
-        smp_options=smp_options,
-        environ={},
-    )
-    needs = [feature for name, feature in _NOT_YET.items() if getattr(config, name) != 1]
-    return " and ".join(needs) or None
-
-
 @pytest.mark.parametrize("name", sorted(path.stem for path in _CONFIGS.glob("*.yaml")))
 def test_example_config_runs_briefly_on_cpu(name: str, tmp_path: Path) -> None:
     """Each config, 2 steps on CPU from the repository root; dp.yaml through the console script (whose
     ``sys.path`` starts at the venv's bin/, so this also checks that the working directory is importable), the
     others through ``python -m lightning_smp``."""
     config = _CONFIGS / f"{name}.yaml"
-    missing = _not_yet(config)
-    if missing:
-        pytest.skip(f"{name}.yaml needs {missing}, not available yet (lightning_smp.strategy._NOT_YET)")
     if name == "dp":
         script = Path(sys.executable).with_name("lightning-smp")
         assert script.exists(), "the console script is missing: run `pip install -e .` (scripts/setup.sh does)"

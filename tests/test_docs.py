@@ -1,7 +1,7 @@
 """The docs: ``mkdocs build --strict`` passes, and the two generated parts cannot drift from the code.
 
 - docs/configuration.md holds a table of every `SMPConfig` field (default, meaning from the field's docstring,
-  smp equivalent, status from ``config._INACTIVE_SETTINGS`` and ``strategy._NOT_YET``): it must equal what
+  smp equivalent, status from ``config._INACTIVE_SETTINGS``): it must equal what
   `render_configuration` makes of the code now.
 - docs/troubleshooting.md lists every error message the package constructs (``SomeError("...")`` calls, read
   from the source): each one must be on the page, and each must name its fix or have one in `_FIXES`.
@@ -67,7 +67,6 @@ def _cell(text: str) -> str:
 def render_configuration() -> str:
     """The generated part of docs/configuration.md: one row per SMPConfig field, in declaration order."""
     from lightning_smp import config as config_module
-    from lightning_smp import strategy as strategy_module
 
     docs = _field_docstrings()
     rows = [
@@ -82,9 +81,7 @@ def render_configuration() -> str:
             smp = f'`parameters["{name}"]` (alias `"{config_module._ALIAS}"`)'
         else:
             smp = f'`parameters["{name}"]`'
-        if name in strategy_module._NOT_YET:
-            status = f"not available yet ({strategy_module._NOT_YET[name]}): values other than 1 raise"
-        elif name in config_module._INACTIVE_SETTINGS:
+        if name in config_module._INACTIVE_SETTINGS:
             status = f"accepted, no effect: {config_module._INACTIVE_SETTINGS[name]}"
         else:
             status = "active"

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint
-from lightning_smp.strategy import _end_launched_ranks
+from lightning_smp.fault_tolerance import end_launched_ranks
 from tests.models import TinyRegressor
 
 TIMEOUT_S = 20  # the job's process-group timeout
@@ -109,7 +109,7 @@ def test_the_launching_rank_kills_a_rank_stuck_outside_collectives_and_reports_e
     procs = [subprocess.Popen([sys.executable, "-c", command]) for command in commands]
     try:
         started = time.monotonic()
-        notes = _end_launched_ranks(_Launcher(procs), grace_s=2.0)
+        notes = end_launched_ranks(_Launcher(procs), grace_s=2.0)
         assert time.monotonic() - started < 10
     finally:
         for proc in procs:

@@ -1,0 +1,128 @@
+"""Fault tolerance: a failure or a scheduler's SIGTERM on one rank ends every rank, promptly, with the cause shown.
+
+It owns the SIGTERM agreement (every rank stops after the same training step), the explanation added to an error
+when a peer rank was lost, and, in the process that launched the other ranks, ending them and saying how each one
+ended. It does not own checkpoint atomicity (`checkpoint.py`) nor the timeout value (the strategy's `timeout`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+
+__all__ = ["PEER_LOST_MESSAGES", "SchedulerSignal", "end_launched_ranks", "explain_failure"]
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerSignal:
+    """SIGTERM handling that stops every rank after the same training step.
+
+    Lightning 2.6's handler broadcasts inside the signal handler (`_SignalConnector._sigterm_notifier_fn`) and each
+    rank acts on its own flag at the end of a step. When a scheduler signals every rank, as SLURM and Kubernetes
+    do, those broadcasts interleave with the step's collectives and the job hangs until the process-group timeout.
+    Here the handler only notes the signal (and passes it to the ranks this process launched); once per training
+    step every rank shares what it noted, and Lightning's flag is set on all ranks at once, so all of them stop
+    after that step and exit cleanly. A signal that arrives during a checkpoint save is held until the save is
+    whole (`checkpoint.save`).
+    """
+
+    def __init__(self) -> None:
+        self._trainer: pl.Trainer | None = None
+        self._noted = False
+
+    def install(self, trainer: pl.Trainer) -> None:
+        self._trainer, self._noted = trainer, False
+        if trainer.world_size > 1:
+            trainer._signal_connector._sigterm_notifier_fn = self._note  # Lightning registers it after setup
+
+    def _note(self, signum: int, frame: Any) -> None:
+        trainer = self._trainer
+        log.info("lightning_smp: rank %d received signal %d", trainer.global_rank, signum)
+        if not self._noted and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        self._noted = True
+        if trainer.state.fn != TrainerFn.FITTING:  # no training steps to agree at: each rank stops at its next batch
+            trainer._signal_connector.received_sigterm = True
+
+    def agree(self, device: torch.device) -> None:
+        """Collective, at the start of every training step on every rank."""
+        trainer = self._trainer
+        if trainer is None or trainer.world_size == 1 or trainer.received_sigterm:
+            return
+        noted = torch.tensor([float(self._noted)], device=device)
+        dist.all_reduce(noted, op=dist.ReduceOp.MAX)
+        if noted.item():  # sync: as Lightning's own SIGTERM broadcast at every step
+            trainer._signal_connector.received_sigterm = True
+
+
+# What gloo and NCCL say when a peer has died or stopped answering.
+PEER_LOST_MESSAGES = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Timed out waiting",
+    "collective operation timeout",
+    "communicator was aborted",
+)
+
+
+def end_launched_ranks(launcher: Any, *, grace_s: float) -> list[str]:
+    """In the process that launched this node's other ranks (Lightning's subprocess launcher): close this rank's
+    process groups, so ranks waiting on it fail at once rather than at the timeout, wait up to ``grace_s`` for
+    the launched ranks to stop, kill those that do not (one stuck outside any collective never would), and say how
+    each one that failed ended. Elsewhere (torchrun, SLURM, ...) the launcher ends the job; returns nothing."""
+    procs = getattr(launcher, "procs", None) or []
+    if not procs:
+        return []
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":  # Lightning's: it would SIGKILL this process mid-report
+            thread._run = lambda: True  # type: ignore[attr-defined]
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as error:
+            log.debug("lightning_smp: closing the process groups after a failure: %s", error)
+    deadline = time.monotonic() + grace_s
+    notes = []
+    for local_rank, proc in enumerate(procs, start=1):
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            notes.append(f"local rank {local_rank} (pid {proc.pid}) had not stopped {grace_s:.0f}s later: killed it")
+            continue
+        if proc.returncode:
+            how = f"exit code {proc.returncode}"
+            if proc.returncode < 0 and -proc.returncode in signal.valid_signals():
+                how = f"signal {signal.Signals(-proc.returncode).name}"
+            notes.append(f"local rank {local_rank} (pid {proc.pid}) ended with {how}")
+    return notes
+
+
+def explain_failure(
+    exception: BaseException, *, rank: int, world_size: int, timeout: timedelta | None, launcher: Any
+) -> list[str]:
+    """Lines to add to ``exception``: why this rank stopped when a peer was lost, and how the ranks this process
+    launched ended (after ending them)."""
+    notes = []
+    if world_size > 1 and any(sign in str(exception) for sign in PEER_LOST_MESSAGES):
+        notes.append(
+            f"lightning_smp: rank {rank} of {world_size} lost a peer: another rank of this job died or did not "
+            f"answer within the process-group timeout ({timeout}; `SMPStrategy(timeout=...)`), so this rank stops "
+            "too. The first error is in that rank's output; a rank killed by the system (out of memory, a "
+            "scheduler) prints nothing, its exit code below says so."
+        )
+    grace_s = min(timeout.total_seconds(), 30.0) if timeout else 30.0
+    return notes + end_launched_ranks(launcher, grace_s=grace_s)
