@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import lightning as L
@@ -36,12 +37,20 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 
 @pytest.fixture(autouse=True)
-def _no_launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """Start every test from a shell outside any launcher, whatever ran pytest."""
+def _no_launcher(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+    """Start every test from a shell outside any launcher, whatever ran pytest, and leave the environment as it
+    was: Lightning's environments write MASTER_ADDR / MASTER_PORT into it, which would send later tests' process
+    groups to the fake job's node1."""
     monkeypatch.chdir(tmp_path)
+    saved = dict(os.environ)
     for name in list(os.environ):
         if name.startswith(_LAUNCHER_PREFIXES) or name in _LAUNCHER_VARS:
-            monkeypatch.delenv(name)
+            del os.environ[name]
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _torchrun_env(rank: int) -> dict[str, str]:
