@@ -214,6 +214,17 @@ class MasterWeightOptimizer(Optimizer):
         """
         if self._step_state.grads_read:
             return
+        self._read_half_grads()
+        self._found_inf.zero_()
+        if self._loss_scaler is None:
+            return
+        grads = self._unscale_targets()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
+        self._vote_overflow()
+
+    def _read_half_grads(self) -> None:
+        """Copy the half grads of the latest backward, still scaled, into the fp32 master grads."""
         self._step_state.grads_read = True
         half_grads = [p.grad for p in self._half_params]
         if any(g is None for g in half_grads):
@@ -230,12 +241,9 @@ class MasterWeightOptimizer(Optimizer):
                 torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
         elif half_grads:
             torch._foreach_copy_(self._master_grads, half_grads)
-        self._found_inf.zero_()
-        if self._loss_scaler is None:
-            return
-        grads = self._unscale_targets()
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
+
+    def _vote_overflow(self) -> None:
+        """Make ``found_inf`` the job's answer: a step overflows everywhere if it overflows anywhere."""
         if _group_size(self._overflow_group) > 1:
             dist.all_reduce(self._found_inf, op=dist.ReduceOp.MAX, group=self._overflow_group)
 
@@ -294,19 +302,15 @@ class MasterWeightOptimizer(Optimizer):
         one read-only pass; the fused optimizer divides by the scale inside its own kernel, saving the
         read-modify-write pass of a separate unscale. Returns the scale to hand it, or ``None`` (nothing to
         unscale: bf16, or some grads missing, which take the ordinary path)."""
-        half_grads = [p.grad for p in self._half_params]
-        if self._loss_scaler is None or any(g is None for g in half_grads):
+        if self._loss_scaler is None or any(p.grad is None for p in self._half_params):
             self.unscale_grads()
             return None
-        if half_grads:
-            torch._foreach_copy_(self._master_grads, half_grads)
+        self._read_half_grads()
         targets = self._unscale_targets()
         norms = torch._foreach_norm(targets) if targets else [torch.zeros((), device=self._found_inf.device)]
         # one fp32 norm per tensor: finite unless some element is inf/NaN (|g| <= 65504, so no false overflow)
         self._found_inf.copy_(torch.logical_not(torch.isfinite(torch.stack(norms).sum())))
-        if _group_size(self._overflow_group) > 1:
-            dist.all_reduce(self._found_inf, op=dist.ReduceOp.MAX, group=self._overflow_group)
-        self._step_state.grads_read = True
+        self._vote_overflow()
         return self._loss_scaler.scale
 
     def last_step_skipped_ready(self) -> bool:
