@@ -191,6 +191,7 @@ def test_slurm_interactive_shell_is_not_a_launcher(monkeypatch: pytest.MonkeyPat
 _SCRIPT = """
 import json, sys
 import lightning as L
+import torch
 from lightning.pytorch.demos.boring_classes import BoringModel
 import lightning_smp
 from lightning_smp import smp
@@ -211,6 +212,8 @@ trainer.fit(model)
 model.seen["loss_scale"] = float(trainer.callback_metrics["loss_scale"])
 with open(f"{sys.argv[1]}/rank{trainer.global_rank}.json", "w") as f:
     json.dump(model.seen, f)
+# as torch asks of every script: without it, a rank whose peer exits first can abort in gloo's teardown
+torch.distributed.destroy_process_group()
 """
 
 
