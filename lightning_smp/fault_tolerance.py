@@ -1,26 +1,38 @@
-"""Fault tolerance: a failure or a scheduler's SIGTERM on one rank ends every rank, promptly, with the cause shown.
+"""Fault tolerance: a failure or a scheduler's SIGTERM on one rank ends every rank, promptly, with the cause shown;
+a run that succeeded ends with exit code 0 on every rank.
 
 It owns the SIGTERM agreement (every rank stops after the same training step), the explanation added to an error
-when a peer rank was lost, and, in the process that launched the other ranks, ending them and saying how each one
-ended. It does not own checkpoint atomicity (`checkpoint.py`) nor the timeout value (the strategy's `timeout`).
+when a peer rank was lost, in the process that launched the other ranks, ending them and saying how each one
+ended, and closing the process groups at interpreter exit. It does not own checkpoint atomicity
+(`checkpoint.py`) nor the timeout value (the strategy's `timeout`).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import logging
 import signal
 import subprocess
 import threading
 import time
+import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 
-__all__ = ["PEER_LOST_MESSAGES", "SchedulerSignal", "end_launched_ranks", "explain_failure"]
+__all__ = [
+    "PEER_LOST_MESSAGES",
+    "SchedulerSignal",
+    "close_process_groups",
+    "close_process_groups_at_exit",
+    "end_launched_ranks",
+    "explain_failure",
+]
 
 log = logging.getLogger(__name__)
 
@@ -126,3 +138,45 @@ def explain_failure(
         )
     grace_s = min(timeout.total_seconds(), 30.0) if timeout else 30.0
     return notes + end_launched_ranks(launcher, grace_s=grace_s)
+
+
+class _HoldsProcessGroups(Protocol):
+    failed: bool
+    """Whether this run's last fit/validate/test ended in an exception."""
+
+    def forget_process_groups(self) -> None:
+        """Drop every reference the run holds to its process groups (they are destroyed)."""
+
+
+_at_exit: weakref.WeakSet[_HoldsProcessGroups] = weakref.WeakSet()
+_registered = False
+
+
+def close_process_groups_at_exit(run: _HoldsProcessGroups) -> None:
+    """Have `close_process_groups` run at interpreter exit, for ``run`` and the others registered in this process."""
+    global _registered
+    _at_exit.add(run)
+    if not _registered:
+        atexit.register(close_process_groups)
+        _registered = True
+
+
+def close_process_groups() -> None:
+    """Destroy the process groups and free them, while the interpreter is still whole; nothing after a failure.
+
+    torch's groups keep threads until the group object itself is freed (gloo: a network loop and two workers per
+    group); ``destroy_process_group`` alone drops only torch's own references, and gloo's ``shutdown`` stops no
+    thread. A group still referenced at exit (by the strategy, the optimizer, tensor-parallel layers) is torn
+    down during interpreter finalization, where a rank of a run that succeeded can abort: "terminate called
+    without an active exception", exit code -6. So the registered runs drop their references too, and a garbage
+    collection frees the groups now. After a failure nothing is done here: destroying NCCL groups with work in
+    flight can block, and the job is ending anyway (`end_launched_ranks`, the launcher).
+    """
+    runs = list(_at_exit)
+    if any(run.failed for run in runs):
+        return
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for run in runs:
+        run.forget_process_groups()
+    gc.collect()

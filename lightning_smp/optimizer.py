@@ -330,6 +330,10 @@ class MasterWeightOptimizer(Optimizer):
                 param.grad.detach_().zero_()
         self._step_state.grads_read = False
 
+    def forget_process_groups(self) -> None:
+        """Drop the overflow and norm groups (destroyed at interpreter exit); later steps count this rank alone."""
+        self._overflow_group = self._norm_group = None
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
             "Adding a param group to an fp16/bf16 master-weight optimizer is not supported: its masters live in "

@@ -5,9 +5,10 @@ once the process group exists it builds the `Topology`, activates the `smp` faca
 tensor-parallel ranks (`tensor_parallel`) and keeps this rank's pipeline stage (`pipeline`), whose engine then runs
 every step; it owns the precision plugin (Lightning would otherwise replace it, see reference/lightning-2.6.md),
 samples data by data-parallel rank, reduces logged values over the replicas, saves and loads sharded checkpoints
-(`checkpoint`) and ends every rank on a failure (`fault_tolerance`). It extends `DDPStrategy` because launching,
-process-group setup and bucketed, backward-overlapped gradient all-reduce are DDP's; with one replica, or under
-pipeline parallelism (whose engine all-reduces itself), it skips the DDP wrapper.
+(`checkpoint`), ends every rank on a failure and frees the process groups at exit after a success
+(`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
+backward-overlapped gradient all-reduce are DDP's; with one replica, or under pipeline parallelism (whose engine
+all-reduces itself), it skips the DDP wrapper.
 """
 
 from __future__ import annotations
@@ -133,6 +134,8 @@ class SMPStrategy(DDPStrategy):
         self._sigterm = fault_tolerance.SchedulerSignal()
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
+        self.failed = False
+        """Whether the last fit/validate/test ended in an exception (then the process groups stay at exit)."""
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -214,6 +217,8 @@ class SMPStrategy(DDPStrategy):
         if isinstance(plugin, SMPPrecision):
             plugin.topology = self._topology
         smp_facade._activate(self, self._topology, config)
+        self.failed = False
+        fault_tolerance.close_process_groups_at_exit(self)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -445,6 +450,7 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        self.failed = True
         notes = []
         if "Expected to have finished reduction in the prior iteration" in str(exception):
             notes.append(
@@ -462,6 +468,22 @@ class SMPStrategy(DDPStrategy):
     def teardown(self) -> None:
         smp_facade._deactivate()
         super().teardown()
+
+    def forget_process_groups(self) -> None:
+        """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,
+        `fault_tolerance.close_process_groups`), so that they are freed while Python is whole."""
+        for module in self.model.modules() if self.model is not None else ():
+            if isinstance(module, tensor_parallel.TensorParallelModule):
+                module._tp = None
+            if isinstance(module, Metric):
+                module.process_group = None
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, MasterWeightOptimizer):
+                optimizer.forget_process_groups()
+        if isinstance(self.precision_plugin, SMPPrecision):
+            self.precision_plugin.topology = None
+        self._pipeline = None
+        self._topology = None
 
     @classmethod
     @override

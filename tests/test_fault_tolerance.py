@@ -1,9 +1,11 @@
-"""No hangs, no lost work: a killed rank ends the job with its cause; a scheduler's SIGTERM ends it cleanly.
+"""No hangs, no lost work: a killed rank ends the job with its cause; a scheduler's SIGTERM ends it cleanly; a run
+that succeeded frees its process groups before the interpreter exits.
 
-The jobs run the way users launch them: this module, run as ``python -m tests.test_fault_tolerance MODE DIR``, is
-the training script, and Lightning's own subprocess launcher starts the second rank. Each test launches one job.
+The fault jobs run the way users launch them: this module, run as ``python -m tests.test_fault_tolerance MODE DIR``,
+is the training script, and Lightning's own subprocess launcher starts the second rank. Each test launches one job.
 """
 
+import glob
 import os
 import signal
 import subprocess
@@ -19,8 +21,10 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint
-from lightning_smp.fault_tolerance import end_launched_ranks
+from lightning_smp.fault_tolerance import close_process_groups, end_launched_ranks
+from tests.distributed import run_distributed
 from tests.models import TinyRegressor
+from tests.test_checkpoint import _GPT
 
 TIMEOUT_S = 20  # the job's process-group timeout
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +123,41 @@ def test_the_launching_rank_kills_a_rank_stuck_outside_collectives_and_reports_e
         f"local rank 1 (pid {procs[0].pid}) had not stopped 2s later: killed it",
         f"local rank 2 (pid {procs[1].pid}) ended with exit code 3",
     ]
+
+
+def _threads() -> list[str]:
+    return sorted(Path(path).read_text().strip() for path in glob.glob("/proc/self/task/*/comm"))
+
+
+def _three_runs_then_exit(rank: int) -> dict[str, list[str]]:
+    """dp=2 fp16, tp=2 and pp=2 fits in one process (as in a notebook), then what runs at interpreter exit."""
+    torch.set_num_threads(1)
+    runs = [({"fp16": True}, TinyRegressor()), ({"tensor_parallel_degree": 2}, _GPT())]
+    runs.append(({"pipeline_parallel_degree": 2, "microbatches": 2}, _GPT()))
+    for strategy_kwargs, model in runs:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=SMPStrategy(**strategy_kwargs),
+            max_steps=2,
+            limit_val_batches=0,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(model)
+    before = _threads()
+    close_process_groups()
+    return {"before": before, "after": _threads()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
+@pytest.mark.timeout(180)
+def test_process_groups_are_freed_at_exit_after_runs_that_succeeded():
+    for threads in run_distributed(_three_runs_then_exit, 2, timeout=150):
+        assert any(name.startswith("pt_gloo") for name in threads["before"])  # held by the runs' objects
+        assert not [name for name in threads["after"] if "gloo" in name], threads["after"]
 
 
 if __name__ == "__main__":

@@ -189,9 +189,14 @@ def test_slurm_interactive_shell_is_not_a_launcher(monkeypatch: pytest.MonkeyPat
 # -- real jobs: two processes on this machine ----------------------------------------------------------------
 
 _SCRIPT = """
-import json, sys
+import atexit, glob, json, sys
 import lightning as L
-import torch
+
+def threads_at_exit():  # registered before lightning_smp's exit handler, so it runs after it
+    with open(f"{sys.argv[1]}/threads{RANK}.json", "w") as f:
+        json.dump([open(task).read().strip() for task in glob.glob("/proc/self/task/*/comm")], f)
+
+atexit.register(threads_at_exit)
 from lightning.pytorch.demos.boring_classes import BoringModel
 import lightning_smp
 from lightning_smp import smp
@@ -212,8 +217,7 @@ trainer.fit(model)
 model.seen["loss_scale"] = float(trainer.callback_metrics["loss_scale"])
 with open(f"{sys.argv[1]}/rank{trainer.global_rank}.json", "w") as f:
     json.dump(model.seen, f)
-# as torch asks of every script: without it, a rank whose peer exits first can abort in gloo's teardown
-torch.distributed.destroy_process_group()
+RANK = trainer.global_rank
 """
 
 
@@ -231,6 +235,9 @@ def _check_ranks(out: Path, environment: str) -> None:
         assert (info["smp_size"], info["smp_rank"], info["dp_size"], info["dp_rank"]) == (2, rank, 2, rank)
         assert info["sampler"] == {"num_replicas": 2, "rank": rank}
     assert seen[0]["loss_scale"] == seen[1]["loss_scale"]  # one overflow decision for the whole job
+    for rank in range(2):  # the process groups were freed before the interpreter's teardown (fault_tolerance.py)
+        threads = json.loads((out / f"threads{rank}.json").read_text())
+        assert not [name for name in threads if "gloo" in name], threads
 
 
 def _job_env() -> dict[str, str]:
