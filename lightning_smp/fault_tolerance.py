@@ -1,10 +1,10 @@
 """Fault tolerance: a failure or a scheduler's SIGTERM on one rank ends every rank, promptly, with the cause shown;
 a run that succeeded ends with exit code 0 on every rank.
 
-It owns the SIGTERM agreement (every rank stops after the same training step), the explanation added to an error
-when a peer rank was lost, in the process that launched the other ranks, ending them and saying how each one
-ended, and closing the process groups at interpreter exit. It does not own checkpoint atomicity
-(`checkpoint.py`) nor the timeout value (the strategy's `timeout`).
+It owns the SIGTERM agreement (every rank stops after the same training step, voted without a blocking
+collective), the explanation added to an error when a peer rank was lost, in the process that launched the other
+ranks, ending them and saying how each one ended, and closing the process groups at interpreter exit. It does not
+own checkpoint atomicity (`checkpoint.py`) nor the timeout value (the strategy's `timeout`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch import Tensor
+
+from lightning_smp.host_mirror import HostMirror
 
 __all__ = [
     "PEER_LOST_MESSAGES",
@@ -38,25 +42,40 @@ log = logging.getLogger(__name__)
 
 
 class SchedulerSignal:
-    """SIGTERM handling that stops every rank after the same training step.
+    """SIGTERM handling that stops every rank after the same training step, with no blocking collective per step.
 
     Lightning 2.6's handler broadcasts inside the signal handler (`_SignalConnector._sigterm_notifier_fn`) and each
     rank acts on its own flag at the end of a step. When a scheduler signals every rank, as SLURM and Kubernetes
     do, those broadcasts interleave with the step's collectives and the job hangs until the process-group timeout.
-    Here the handler only notes the signal (and passes it to the ranks this process launched); once per training
-    step every rank shares what it noted, and Lightning's flag is set on all ranks at once, so all of them stop
-    after that step and exit cleanly. A signal that arrives during a checkpoint save is held until the save is
-    whole (`checkpoint.save`).
+    Lightning also broadcasts rank 0's flag at the start of every training step (`_broadcast_sigterm_tensor`): a
+    blocking collective and a host read per step, which lines the ranks up and so costs a pipeline the overlap
+    of one step's end with the next one's start.
+
+    Here the handler only notes the signal (and passes it to the ranks this process launched), and the per-step
+    broadcast is replaced by a vote: at the start of every training step each rank starts a non-blocking
+    all-reduce of what it noted and reads the vote started one step earlier (long since arrived; on CUDA through a
+    non-blocking copy). Every rank reads the same vote at the same step, so all of them stop together after the
+    step in which the signal was noted, or the next, and exit cleanly. A signal that arrives during a checkpoint
+    save is held until the save is whole (`checkpoint.save`).
     """
 
     def __init__(self) -> None:
         self._trainer: pl.Trainer | None = None
         self._noted = False
+        self._vote: tuple[dist.Work, Tensor] | None = None
+        self._mirror: HostMirror | None = None
 
     def install(self, trainer: pl.Trainer) -> None:
-        self._trainer, self._noted = trainer, False
+        self._trainer, self._noted, self._vote = trainer, False, None
         if trainer.world_size > 1:
             trainer._signal_connector._sigterm_notifier_fn = self._note  # Lightning registers it after setup
+            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree
+            device = trainer.strategy.root_device
+            self._mirror = HostMirror(device) if device.type == "cuda" else None
+
+    def forget_vote(self) -> None:
+        """Drop the vote in flight (it holds its process group); at exit, once the groups are destroyed."""
+        self._vote = None
 
     def _note(self, signum: int, frame: Any) -> None:
         trainer = self._trainer
@@ -67,15 +86,26 @@ class SchedulerSignal:
         if trainer.state.fn != TrainerFn.FITTING:  # no training steps to agree at: each rank stops at its next batch
             trainer._signal_connector.received_sigterm = True
 
-    def agree(self, device: torch.device) -> None:
-        """Collective, at the start of every training step on every rank."""
+    def _agree(self) -> None:
+        """Collective, at the start of every training step on every rank (in place of Lightning's broadcast)."""
         trainer = self._trainer
-        if trainer is None or trainer.world_size == 1 or trainer.received_sigterm:
-            return
-        noted = torch.tensor([float(self._noted)], device=device)
-        dist.all_reduce(noted, op=dist.ReduceOp.MAX)
-        if noted.item():  # sync: as Lightning's own SIGTERM broadcast at every step
-            trainer._signal_connector.received_sigterm = True
+        if self._vote is not None:
+            work, votes = self._vote
+            if self._mirror is None:
+                work.wait()  # gloo: the vote of the previous step has arrived
+                stop = votes.item()
+            else:
+                stop = self._mirror.read()
+            if stop:
+                self._vote = None
+                trainer._signal_connector.received_sigterm = True
+                raise SIGTERMException  # as Lightning's broadcast does, before the step
+        votes = torch.tensor(float(self._noted), device=trainer.strategy.root_device)
+        work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True)
+        if self._mirror is not None:
+            work.wait()  # NCCL: the stream waits, not the host
+            self._mirror.capture(votes)
+        self._vote = (work, votes)
 
 
 # What gloo and NCCL say when a peer has died or stopped answering.

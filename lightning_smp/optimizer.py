@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
 
 __all__ = ["HALF_DTYPES", "MasterWeightOptimizer", "clip_grad_norm_counted", "global_grad_norm", "mark_norm_duplicate"]
@@ -47,29 +48,6 @@ class _StepState:
 
     grads_read: bool = False  # the half grads of the latest backward are in the masters' grads and checked
     grads_detached: bool = False  # some masters had their grad set to None for one step (unused params)
-
-
-class _HostMirror:
-    """A device→host copy of a 0-dim tensor that does not stall the stream: on CUDA the copy is non-blocking into
-    pinned memory and an event says when it has landed; on CPU it is a plain read."""
-
-    def __init__(self, device: torch.device) -> None:
-        is_cuda = device.type == "cuda"
-        self._host = torch.zeros((), pin_memory=is_cuda)
-        self._event = torch.cuda.Event() if is_cuda else None
-
-    def capture(self, value: Tensor) -> None:
-        self._host.copy_(value, non_blocking=True)
-        if self._event is not None:
-            self._event.record()
-
-    def ready(self) -> bool:
-        return self._event is None or self._event.query()
-
-    def read(self) -> float:
-        if self._event is not None:
-            self._event.synchronize()  # sync: waits for the step that produced the value, not for later work
-        return self._host.item()
 
 
 class MasterWeightOptimizer(Optimizer):
@@ -124,7 +102,7 @@ class MasterWeightOptimizer(Optimizer):
         self._loss_scaler = loss_scaler.to(device) if loss_scaler is not None else None
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._skipped_steps = torch.zeros((), dtype=torch.float32, device=device)
-        self._last_skip = _HostMirror(device)
+        self._last_skip = HostMirror(device)
         self._fused = any(group.get("fused") for group in optimizer.param_groups)
         self._norm_counts = [_counts_in_norm(p) for p in self._half_params + self._own_master_params]
 

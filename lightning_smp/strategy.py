@@ -292,7 +292,6 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._sigterm.agree(self.root_device)
         if self._pipeline is None:
             output = super().training_step(*args, **kwargs)
         else:
@@ -482,6 +481,7 @@ class SMPStrategy(DDPStrategy):
                 optimizer.forget_process_groups()
         if isinstance(self.precision_plugin, SMPPrecision):
             self.precision_plugin.topology = None
+        self._sigterm.forget_vote()
         self._pipeline = None
         self._topology = None
 
