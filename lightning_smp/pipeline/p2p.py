@@ -10,8 +10,8 @@ millisecond on a loaded CPU, and a metadata message per microbatch doubled the c
 Gradients need no layout (the receiver of an activation sends one gradient per tensor that required grad, in
 order). Sends are non-blocking (`isend`, kept until `wait_sends`), receives block; each link between chunks
 has its own tags (2c for activations of chunk c -> c + 1, 2c + 1 for their gradients), so messages of different
-chunks sharing a pair of ranks cannot be confused on gloo. `share` hands the last stage's step result to the
-other stages with one broadcast in steady state, on the same principle.
+chunks sharing a pair of ranks cannot be confused on gloo. The step's result travels from the last stage to
+each other stage as a value on a link of its own (`runtime.py` picks the tag).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["NOTHING", "Transport", "share"]
+__all__ = ["NOTHING", "Transport"]
 
 NOTHING: Any = object()
 """Sent instead of an activation when this rank's step did not reach its exit (the step did not use the trunk)."""
@@ -147,33 +147,6 @@ class Transport:
         tensor = torch.empty(shape, dtype=dtype, device=self._device)
         dist.recv(tensor, src=src, group=self._group, tag=tag)
         return tensor
-
-
-def share(value: Any, *, group: dist.ProcessGroup, src: int, device: torch.device, state: dict[str, Any]) -> Any:
-    """``value`` of rank ``src`` (global), on every rank of ``group``: one broadcast when its layout is the one of
-    the previous call (kept in ``state``, the same dict on every call from one place), three when it changed."""
-    is_src = dist.get_rank() == src
-    expected = state.get("layout")
-    layout, tensors = _describe(value) if is_src else (None, [])
-    if expected is not None:
-        buffer = (
-            _pack(tensors, expected, device, flag=_SAME)
-            if layout == expected
-            else _flagged(torch.empty(_size(expected), dtype=torch.uint8, device=device), _CHANGED)
-        )
-        if not is_src:
-            buffer = torch.empty(_size(expected) + 1, dtype=torch.uint8, device=device)
-        dist.broadcast(buffer, src=src, group=group)
-        if int(buffer[-1]) == _SAME:  # sync: the result is needed on the host side of the loop anyway
-            return value if is_src else _unpack(buffer, expected, requires_grad=False)[0]
-    box = [layout]
-    dist.broadcast_object_list(box, src=src, group=group, device=device)
-    state["layout"] = layout = box[0]
-    buffer = (
-        _pack(tensors, layout, device) if is_src else torch.empty(_size(layout) + 1, dtype=torch.uint8, device=device)
-    )
-    dist.broadcast(buffer, src=src, group=group)
-    return value if is_src else _unpack(buffer, layout, requires_grad=False)[0]
 
 
 # -- layouts -------------------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_map
 from lightning_smp.optimizer import mark_norm_duplicate
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
-from lightning_smp.pipeline.p2p import NOTHING, Transport, share
+from lightning_smp.pipeline.p2p import NOTHING, Transport
 from lightning_smp.pipeline.partition import (
     PartitionPlan,
     assigned_partition,
@@ -159,7 +159,6 @@ class PipelineEngine:
         self._pending: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._outside_checked = False
         self._outside_owner: dict[str, int] = {}
-        self._share_state: dict[bool, dict[str, Any]] = {}
 
     @property
     def plan(self) -> PartitionPlan:
@@ -245,6 +244,8 @@ class PipelineEngine:
         for chunk in self._plan.chunks_of(self._stage):
             if chunk > 0:
                 transport.post_activation(src=transport.peer(-1), tag=2 * (chunk - 1))
+        if not self._topology.is_last_stage:  # gloo moves a message only once its receive is posted
+            transport.post_activation(src=self._topology.ranks("pp")[-1], tag=self._result_tag(state.training))
         for action in plan:
             if action.forward:
                 self._forward(action, state, transport)
@@ -306,24 +307,32 @@ class PipelineEngine:
             transport.send_grads(live.leaves, dst=transport.peer(-1), tag=2 * (chunk - 1) + 1)
 
     def _share(self, state: _Step) -> Any:
-        """The last stage's merged output and reduced ``self.log`` calls, on every stage; the logs replayed."""
-        package = None
+        """The last stage's merged output and reduced ``self.log`` calls, on every stage; the logs replayed.
+
+        The last stage sends them without waiting (the sends complete during the next step), so it goes on to its
+        optimizer step while the earlier stages finish their last backwards; they receive the result once those
+        are done. A collective here would hold the last stage until the first one's last backward."""
+        transport = self._transport_()
+        stages = self._topology.ranks("pp")
+        tag = self._result_tag(state.training)
         if self._topology.is_last_stage:
             indices = sorted(state.outputs)
             package = (
                 merge_outputs([state.outputs[i] for i in indices]),
                 _reduce_logs([state.logs[i] for i in indices]),
             )
-        merged, calls = share(
-            package,
-            group=self._topology.group("pp"),
-            src=self._topology.ranks("pp")[-1],
-            device=self._device(),
-            state=self._share_state.setdefault(state.training, {}),
-        )
+            for rank in stages[:-1]:
+                transport.send_activation(package, dst=rank, tag=tag)
+        else:
+            package, _ = transport.recv_activation(src=stages[-1], requires_grad=False, tag=tag)
+        merged, calls = package
         for name, value, options in calls:
             self._module.log(name, value, **options)
         return merged
+
+    def _result_tag(self, training: bool) -> int:
+        """The tag of the step results' link: after every chunk link's two tags; training and evaluation apart."""
+        return 2 * self._plan.num_chunks + int(training)
 
     # -- gradients ----------------------------------------------------------------------------------------------
 
