@@ -99,14 +99,34 @@ def test_simple_is_gpipe_and_the_active_cap_makes_waves():
     assert [_name(a) for a in plans[1]] == ["F0", "F1", "B0", "B1", "F2", "F3", "B2", "B3"]
 
 
-def test_interleaved_is_1f1b_with_warmup_by_stage():
+def test_interleaved_is_1f1b_with_warmup_by_stage_one_microbatch_ahead():
     plans, sim = _orders("interleaved", 4, 8)
-    assert [_name(a) for a in plans[0][:6]] == ["F0", "F1", "F2", "F3", "B0", "F4"]
+    assert [_name(a) for a in plans[0][:7]] == ["F0", "F1", "F2", "F3", "F4", "B0", "F5"]
     assert [_name(a) for a in plans[3][:4]] == ["F0", "B0", "F1", "B1"]
-    assert sim.peak_in_flight == (4, 3, 2, 1)  # 1F1B: activations of at most p - s microbatches
+    assert sim.peak_in_flight == (5, 4, 3, 1)  # 1F1B's p - s, plus one ahead before the last stage
     assert sim.makespan == (8 + 4 - 1) * 3  # the same bubble as GPipe, less memory
     _, capped = _orders("interleaved", 4, 8, active=2)
     assert max(capped.peak_in_flight) == 2
+
+
+def test_one_microbatch_ahead_keeps_message_latency_off_the_critical_path():
+    """With a latency per message, plain 1F1B (PipeDream-flush's warm-up) pays it at least once per microbatch;
+    one microbatch ahead pays it only where the pipeline fills and drains."""
+    for stages in (2, 4):
+        plans = [schedule.build("interleaved", stages=stages, stage=s, microbatches=8) for s in range(stages)]
+        plain = []
+        for stage, plan in enumerate(plans):
+            warmup = stages - stage - 1
+            forwards = [a for a in plan if a.forward]
+            backwards = [a for a in plan if not a.forward]
+            order = forwards[:warmup]
+            for offset in range(8 - warmup):
+                order += [forwards[warmup + offset], backwards[offset]]
+            plain.append(order + backwards[8 - warmup :])
+        ideal = schedule.simulate(plans).makespan
+        ours = schedule.simulate(plans, latency=0.3).makespan
+        assert ours == pytest.approx(ideal + 2 * (stages - 1) * 0.3)  # fill and drain only
+        assert schedule.simulate(plain, latency=0.3).makespan >= ideal + 0.3 * 8 - 1e-9
 
 
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])

@@ -59,14 +59,21 @@ def gpipe(*, stages: int, stage: int, microbatches: int, active: int | None = No
 
 
 def one_f_one_b(*, stages: int, stage: int, microbatches: int, active: int | None = None) -> list[Action]:
-    """smp's "interleaved" (1F1B, PipeDream-flush / Megatron's non-interleaved schedule).
+    """smp's "interleaved": a backward as early as possible (1F1B, PipeDream-flush), one microbatch ahead.
 
-    Stage ``s`` first runs ``min(stages - s - 1, active - 1, microbatches)`` warm-up forwards, then alternates
-    one forward and one backward, then drains the remaining backwards; so at most ``min(stages - s, active)``
-    microbatches hold activations on stage ``s`` at any time.
+    Stage ``s`` first runs warm-up forwards, then alternates one forward and one backward, then drains the
+    remaining backwards. PipeDream-flush warms up with ``stages - s - 1`` forwards; every stage but the last here
+    runs one more (capped by ``active - 1`` and ``microbatches``), so at most ``min(stages - s + 1, active)``
+    microbatches hold activations on a stage before the last (the last: 1). Why: in plain 1F1B a stage's next
+    forward waits for the gradient of its oldest microbatch, so every microbatch puts two message latencies on the
+    critical path (gradient up, activation down) with nothing to hide them; one microbatch ahead, a whole forward
+    and backward downstream hide them. smp's pipeline is dynamic to the same end (its default ``active`` is
+    ``stages + 2``); gloo cannot tell whether a message has arrived without waiting for it, so the order is fixed.
+    `simulate` with ``latency`` shows the difference.
     """
     _check(stages=stages, stage=stage, microbatches=microbatches)
-    warmup = min(stages - stage - 1, _cap(active, microbatches) - 1, microbatches)
+    ahead = 1 if stage < stages - 1 else 0
+    warmup = min(stages - stage - 1 + ahead, _cap(active, microbatches) - 1, microbatches)
     actions = [Action(True, i, stage) for i in range(warmup)]
     for offset in range(microbatches - warmup):
         actions += [Action(True, warmup + offset, stage), Action(False, offset, stage)]
@@ -154,9 +161,12 @@ class Simulation:
         return max(self.busy) / self.makespan
 
 
-def simulate(plans: Sequence[Sequence[Action]], *, forward_time: float = 1.0, backward_time: float = 2.0) -> Simulation:
+def simulate(
+    plans: Sequence[Sequence[Action]], *, forward_time: float = 1.0, backward_time: float = 2.0, latency: float = 0.0
+) -> Simulation:
     """Run the per-stage ``plans`` (index = stage) as the runtime does: sends never block, a stage waits for
-    the message an action needs. Raises ``ValueError`` if the plans are incomplete or deadlock."""
+    the message an action needs, which arrives ``latency`` after the action that sent it ended. Raises
+    ``ValueError`` if the plans are incomplete or deadlock."""
     stages = len(plans)
     chunks = 1 + max((a.chunk for plan in plans for a in plan), default=0)
     _check_complete(plans, chunks)
@@ -176,7 +186,8 @@ def simulate(plans: Sequence[Sequence[Action]], *, forward_time: float = 1.0, ba
                 if any(need not in done for need in needs):
                     break
                 cost = forward_time if action.forward else backward_time
-                start = max([free[stage], *(done[need] for need in needs)])
+                arrivals = (done[need] + (latency if need.chunk != action.chunk else 0.0) for need in needs)
+                start = max([free[stage], *arrivals])
                 done[action] = free[stage] = start + cost
                 busy[stage] += cost
                 live[stage] += 1 if action.forward else -1
