@@ -7,8 +7,11 @@ into m microbatches (m = ``--microbatches``, default 2, 4, 8). Per m, the second
 - ``single``: one process on one core running the m microbatches one after another (gradient accumulation),
   the whole model; plain PyTorch, so it carries no framework overhead (the strictest baseline);
 - ``half``: two independent single-thread processes at the same time, each with half the model and no
-  communication. ``B = single / half`` is the most two processes can give on this machine (not 2: shared memory
-  bandwidth and caches), and the ideal pipeline speed-up is ``B * m / (m + p - 1)`` with p = 2 stages;
+  communication, each doing its half's share of ``single``'s work: the second half's input requires grad, as
+  it does inside the whole model (its first layer's input gradient is part of the whole's backward), so the two
+  halves together compute exactly what ``single`` computes. ``B = single / half`` is the most two processes can
+  give on this machine (not 2: shared memory bandwidth and caches), and the ideal pipeline speed-up is
+  ``B * m / (m + p - 1)`` with p = 2 stages;
 - ``smp_1f1b`` / ``smp_gpipe``: a real ``Trainer.fit`` with ``SMPStrategy(pipeline_parallel_degree=2,
   microbatches=m, pipeline="interleaved" | "simple")`` (GPipe with ``active_microbatches=m``), Lightning's
   loop, hooks and the optimizer step included; timed from one ``on_train_batch_start`` to the next;
@@ -72,11 +75,13 @@ def _time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
 # -- the kinds ----------------------------------------------------------------------------------------------------
 
 
-def _accumulate(model: nn.Module, args: argparse.Namespace, microbatches: int) -> float:
-    """Seconds per step of ``model`` over the m microbatches one after another (gradient accumulation)."""
+def _accumulate(model: nn.Module, args: argparse.Namespace, microbatches: int, input_grad: bool = False) -> float:
+    """Seconds per step of ``model`` over the m microbatches one after another (gradient accumulation);
+    ``input_grad``: the input requires grad, as a pipeline stage's received activation does."""
     x, y = _data(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-    pieces = list(zip(x.chunk(microbatches), y.chunk(microbatches), strict=True))
+    inputs = [piece.clone().requires_grad_(input_grad) for piece in x.chunk(microbatches)]
+    pieces = list(zip(inputs, y.chunk(microbatches), strict=True))
 
     def step() -> None:
         optimizer.zero_grad()
@@ -97,7 +102,7 @@ def _half(rank: int, args: argparse.Namespace, out: Any, barrier: Any) -> None:
     result = {}
     for m in args.microbatches:
         barrier.wait()  # both halves run at the same time, as pipeline stages would
-        result[m] = _accumulate(model, args, m)
+        result[m] = _accumulate(model, args, m, input_grad=rank > 0)
     out.put((rank, result))
 
 
