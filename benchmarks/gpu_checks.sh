@@ -3,7 +3,7 @@
 # GPT-2 124M (all modes) and 350M (in priority order, as time allows). Everything lands under $OUT:
 #   gpu_checks.log          this script's whole output
 #   bench.log               the benchmark runs' output
-#   precision_124m.json     precision_350m.json     sync_progress_bar.json
+#   precision_124m.json     precision_350m.json     sync_progress_bar.json     profile_124m.json (top kernels)
 # Budget: about 7 minutes on an H200; each mode's time is printed as it ends. Each benchmark writes its JSON after
 # every mode, so a run cut short still leaves the modes it finished.
 # Without CUDA (here, to test this script's logic) it runs the tiny model for a few steps instead:
@@ -65,6 +65,9 @@ if [ $CUDA -eq 1 ]; then
     # Lightning reads prog_bar metrics (smp logs loss_scale there) at every step when the bar is on: count syncs.
     bench sync_progress_bar 60 --size 124m --batch-size 16 --steps 3 --warmup 20 --modes smp_fp16 \
         --progress-bar --sync-check-steps 4 --out "$OUT/sync_progress_bar.json"
+    # Where smp_fp16's eager step still loses to the pure-fp16 ceiling: the top kernels of each, per step.
+    bench profile_124m 120 --size 124m --batch-size 16 --steps 5 --warmup 20 --sync-check-steps 0 \
+        --profile-steps 3 --modes smp_fp16,16-true,16-mixed --out "$OUT/profile_124m.json"
     budget=$((END_S - $(elapsed) - 80)) # keep ~80 s for the mode that starts last (a 350m compile)
     bench 350m $((END_S + 120 - $(elapsed))) --size 350m --batch-size 16 --steps 20 --warmup 20 \
         --modes "$PRIORITY" --time-budget $((budget > 20 ? budget : 20)) --out "$OUT/precision_350m.json"
@@ -74,6 +77,8 @@ else
         --time-budget 200 --out "$OUT/precision_tiny.json"
     bench tiny_budget 120 --size tiny --steps 3 --warmup 5 --modes "$PRIORITY" --skip-modes 32-true \
         --time-budget 1 --out "$OUT/precision_tiny_budget.json"
+    bench tiny_profile 120 --size tiny --steps 2 --warmup 3 --profile-steps 2 --modes smp_fp16,16-true \
+        --out "$OUT/profile_tiny.json"
 fi
 
 echo "== done in $(elapsed)s, status $STATUS; files in $OUT:"

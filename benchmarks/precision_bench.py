@@ -15,6 +15,8 @@ Modes: smp_fp16 (SMPStrategy(fp16=True): fp16 params, fp32 flat masters, smp's d
 (fp16 params, no masters, no scaler: the ceiling), and `<mode>_compile` for smp_fp16, 16-mixed and 16-true
 (torch.compile of the inner GPT in `configure_model`). smp keeps its init scale 2**32 unless --init-scale is
 given: its ~16 overflow-skipped first steps fall in the warm-up (default 20), and the JSON counts any that do not.
+With ``--profile-steps N``, N more steps per mode run under torch.profiler and the JSON keeps each mode's top
+kernels by self time per step (``profile_top``), to see where two modes' steps differ.
 """
 
 from __future__ import annotations
@@ -218,6 +220,42 @@ class StepTimer(Callback):
         self._stop_sync_check(cycles=1)
 
 
+class StepProfiler(Callback):
+    """Runs ``steps`` whole steps from batch ``start`` under `torch.profiler` and keeps the ``top`` operators and
+    kernels by self time on the device (CUDA) or the host, per step: where one precision's step differs from
+    another's, kernel by kernel."""
+
+    def __init__(self, start: int, steps: int, top: int = 30) -> None:
+        self.start, self.steps, self.top = start, steps, top
+        self.result: list[dict[str, Any]] = []
+        self._profiler: torch.profiler.profile | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if idx == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if pl_module.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
+        elif idx == self.start + self.steps and self._profiler is not None:
+            if pl_module.device.type == "cuda":
+                torch.cuda.synchronize()  # sync: the profiled kernels end
+            self._profiler.__exit__(None, None, None)
+            device = pl_module.device.type == "cuda"
+            rows = [
+                {
+                    "name": event.key,
+                    "self_us_per_step": (event.self_device_time_total if device else event.self_cpu_time_total)
+                    / self.steps,
+                    "calls_per_step": event.count / self.steps,
+                }
+                for event in self._profiler.key_averages()
+            ]
+            rows.sort(key=lambda row: row["self_us_per_step"], reverse=True)
+            self.result = rows[: self.top]
+            self._profiler = None
+
+
 def _short_path(filename: str) -> str:
     for marker in ("site-packages/", "lightning_smp/", "benchmarks/"):
         if marker in filename:
@@ -251,16 +289,18 @@ def run_mode(mode: Mode, config: GPTConfig, batches: list, args: argparse.Namesp
     else:
         extra = {"precision": mode.precision}
     timer = StepTimer(args.warmup, args.steps, args.sync_check_steps)
+    profiled = args.warmup + args.steps + args.sync_check_steps
+    profiler = StepProfiler(profiled, args.profile_steps)
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
-        max_steps=args.warmup + args.steps + args.sync_check_steps,
+        max_steps=profiled + args.profile_steps + (1 if args.profile_steps else 0),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=args.progress_bar,
         enable_model_summary=False,
         use_distributed_sampler=False,  # the same batches in the same order for every strategy
-        callbacks=[timer],
+        callbacks=[timer, profiler],
         **extra,
     )
     # batch_size=None: the loader hands out the pre-made (pinned) tensors as they are, no collate copy.
@@ -277,7 +317,9 @@ def run_mode(mode: Mode, config: GPTConfig, batches: list, args: argparse.Namesp
         "mode_wall_s": time.perf_counter() - start,
         **timer.result,
     }
-    del trainer, module, timer, loader
+    if profiler.result:
+        result["profile_top"] = profiler.result
+    del trainer, module, timer, profiler, loader
     _release_memory()
     return result
 
@@ -409,6 +451,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None if cuda else 1, help="torch CPU threads (CPU default 1: steadier)"
     )
     parser.add_argument("--progress-bar", action="store_true", help="enable Lightning's progress bar (sync check)")
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help="steps after the others run under torch.profiler (top kernels)"
+    )
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--out", default=None, help="JSON path; '{size}' in it gives one file per size")
     args = parser.parse_args(argv)
@@ -449,7 +494,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         # The flops of this config (GPT on the meta device: no memory, no init cost).
         with torch.device("meta"):
             flops_per_token = GPTModule(config).model.flops_per_token()
-        count = args.warmup + args.steps + args.sync_check_steps
+        count = args.warmup + args.steps + args.sync_check_steps + args.profile_steps + 1
         batches = make_batches(config, args.batch_size, count, args.seed, pin=cuda)
         results: dict[str, dict[str, Any]] = {}
         size_info = {"config": asdict(config), "batch_size": args.batch_size, "flops_per_token": flops_per_token}
