@@ -1,10 +1,12 @@
 """Tiny shared models and data for the tests: a fixed random regression set, an MLP, and a LightningModule.
 
 Small enough that a fit of a few dozen steps takes well under a second on two CPU cores, and generic: nothing
-here knows about smp, so any test (strategy, precision, checkpointing, ...) can build on it.
+here knows about smp, so any test (strategy, precision, checkpointing, ...) can build on it; `quiet_trainer` is
+the Trainer most of them use.
 """
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -13,9 +15,23 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["TinyRegressor", "mlp", "random_dataset"]
+__all__ = ["TinyRegressor", "mlp", "quiet_trainer", "random_dataset"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
+
+
+def quiet_trainer(strategy: Any = "auto", **kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer that writes and prints nothing (no logger, checkpoints, progress bar or model summary) unless
+    ``kwargs`` say otherwise; one device unless ``devices`` is given."""
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
 
 
 def random_dataset(num_samples: int = 64, in_features: int = 8, out_features: int = 1, seed: int = 0) -> TensorDataset:

@@ -26,7 +26,7 @@ from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
 from lightning_smp.checkpoint import CheckpointError
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
 from tests.distributed import run_distributed
-from tests.models import TinyRegressor
+from tests.models import TinyRegressor, quiet_trainer
 
 STEPS_PER_EPOCH = 4  # 64 samples, 2 ranks x 8 (or 1 rank x 16) per step
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**12, "scale_window": 3}}
@@ -47,15 +47,12 @@ class _Model(TinyRegressor):
 
 
 def _trainer(strategy_kwargs, dirpath, max_epochs, devices):
-    return pl.Trainer(
-        accelerator="cpu",
+    return quiet_trainer(
+        SMPStrategy(**strategy_kwargs),
         devices=devices,
-        strategy=SMPStrategy(**strategy_kwargs),
         max_epochs=max_epochs,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[ModelCheckpoint(dirpath=dirpath, save_top_k=-1, save_last=True)],
     )
 

@@ -14,7 +14,6 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
@@ -23,7 +22,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.fault_tolerance import close_process_groups, end_launched_ranks
 from tests.distributed import run_distributed
-from tests.models import TinyRegressor
+from tests.models import TinyRegressor, quiet_trainer
 from tests.test_checkpoint import _GPT
 
 TIMEOUT_S = 20  # the job's process-group timeout
@@ -54,15 +53,12 @@ class _Fault(Callback):
 
 def _job(mode: str, directory: Path) -> None:
     torch.set_num_threads(1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        SMPStrategy(fp16=True, timeout=timedelta(seconds=TIMEOUT_S)),
         devices=2,
-        strategy=SMPStrategy(fp16=True, timeout=timedelta(seconds=TIMEOUT_S)),
         max_steps=40,
         limit_val_batches=0,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[_Fault(mode, directory), ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)],
     )
     try:
@@ -135,17 +131,7 @@ def _three_runs_then_exit(rank: int) -> dict[str, list[str]]:
     runs = [({"fp16": True}, TinyRegressor()), ({"tensor_parallel_degree": 2}, _GPT())]
     runs.append(({"pipeline_parallel_degree": 2, "microbatches": 2}, _GPT()))
     for strategy_kwargs, model in runs:
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=SMPStrategy(**strategy_kwargs),
-            max_steps=2,
-            limit_val_batches=0,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-        )
+        trainer = quiet_trainer(SMPStrategy(**strategy_kwargs), devices=2, max_steps=2, limit_val_batches=0)
         trainer.fit(model)
     before = _threads()
     close_process_groups()

@@ -19,6 +19,7 @@ from lightning_smp import SMPStrategy
 from lightning_smp.loss_scaler import DynamicLossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer
 from tests.distributed import run_distributed
+from tests.models import quiet_trainer
 
 STEPS = 10
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
@@ -148,18 +149,9 @@ class _Losses(Callback):
 
 def _trainer(strategy, **kwargs) -> pl.Trainer:
     defaults = dict(
-        accelerator="cpu",
-        devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=strategy,
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        devices=int(os.environ.get("WORLD_SIZE", "1")), max_steps=STEPS, num_sanity_val_steps=0, limit_val_batches=0
     )
-    return pl.Trainer(**{**defaults, **kwargs})
+    return quiet_trainer(strategy, **{**defaults, **kwargs})
 
 
 # -- the distributed runs ---------------------------------------------------------------------------------------
@@ -303,18 +295,15 @@ def _fit_features(dirpath: str, strategy) -> dict:
     history = _History()
     checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
     stopper = EarlyStopping(monitor="val_loss", min_delta=0.2, patience=1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
         devices=int(os.environ.get("WORLD_SIZE", "1")),
-        strategy=strategy,
         max_epochs=6,
         accumulate_grad_batches=2,
         gradient_clip_val=0.05,
         gradient_clip_algorithm="value",
         use_distributed_sampler=False,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=[history, checkpoint, stopper],
     )
     trainer.fit(model)

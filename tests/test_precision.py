@@ -13,20 +13,11 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from lightning_smp import MasterWeightOptimizer, SMPPrecision, SMPStrategy
-from tests.models import TinyRegressor
+from tests.models import TinyRegressor, quiet_trainer
 
 
 def _trainer(strategy, **kwargs) -> pl.Trainer:
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_epochs=1,
-    )
-    return pl.Trainer(strategy=strategy, **{**defaults, **kwargs})
+    return quiet_trainer(strategy, **{"max_epochs": 1, **kwargs})
 
 
 def _fp16(**config) -> SMPStrategy:

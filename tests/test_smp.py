@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader
 
 from lightning_smp import smp
 from tests.distributed import run_distributed
-from tests.models import TinyRegressor, mlp, random_dataset
+from tests.models import TinyRegressor, mlp, quiet_trainer, random_dataset
 
 _AXIS_HELPERS = tuple(f"{axis}_{what}" for axis in ("dp", "rdp", "pp", "tp", "mp") for what in ("rank", "size"))
 _RANK_HELPERS = ("rank", "size", "local_rank", "local_size", *_AXIS_HELPERS)
@@ -16,16 +16,7 @@ _BARRIERS = ("barrier", "dp_barrier", "rdp_barrier", "pp_barrier", "tp_barrier",
 
 
 def _trainer(strategy: str = "smp", devices: int = 1, **kwargs) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    return quiet_trainer(strategy, devices=devices, **kwargs)
 
 
 def _facade_answers() -> dict:

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
@@ -14,7 +13,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp import SMPStrategy
 from tests.distributed import run_distributed
-from tests.models import TinyRegressor
+from tests.models import TinyRegressor, quiet_trainer
 
 STEPS = 12
 PER_RANK_BATCH = 8
@@ -100,17 +99,7 @@ def _fit(rank, strategy_kwargs, batch_size, inject_rank=None):
     world_size = int(os.environ["WORLD_SIZE"])
     model = _Logged(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=256, batch_size=batch_size)
     recorder = _Record(inject_at=3 if rank == inject_rank else None)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=SMPStrategy(**strategy_kwargs),
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[recorder],
-    )
+    trainer = quiet_trainer(SMPStrategy(**strategy_kwargs), devices=world_size, max_steps=STEPS, callbacks=[recorder])
     trainer.fit(model)
     optimizers = trainer.strategy.optimizers
     return {

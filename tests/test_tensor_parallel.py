@@ -26,6 +26,7 @@ from torchmetrics import SumMetric
 from lightning_smp import SMPStrategy, smp
 from lightning_smp.tensor_parallel import gather_shards, shard_of
 from tests.distributed import init_gloo, run_distributed
+from tests.models import quiet_trainer
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -172,15 +173,10 @@ def _fit(
     rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: str | None = None, validate: bool = False
 ) -> dict:
     recorder = _Record(gradients=not strategy_kwargs.get("fp16"))
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        SMPStrategy(**strategy_kwargs),
         devices=int(os.environ["WORLD_SIZE"]),
-        strategy=SMPStrategy(**strategy_kwargs),
         max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[recorder],
         num_sanity_val_steps=0,
         check_val_every_n_epoch=2,  # validation runs once, after fit (a second setup of the split model)
