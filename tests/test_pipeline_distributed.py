@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_smp import SMPStrategy
 from lightning_smp.loss_scaler import DynamicLossScaler
@@ -271,27 +272,59 @@ def _check_against(reference: dict, ranks: list[dict], name: str, *, rel: float 
 # -- Lightning's features under pp=2 -------------------------------------------------------------------------------
 
 
+class _MetricGPT(TinyGPT):
+    """TinyGPT that also logs torchmetrics accuracies, as objects (Lightning computes their epoch values)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.train_acc = MulticlassAccuracy(VOCAB, average="micro")  # per step: the mean over equal microbatches
+        self.val_acc = MulticlassAccuracy(VOCAB, average="micro")
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self(batch[:, :-1])
+        self.train_acc(logits.argmax(-1), batch[:, 1:])
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        logits = self(batch[:, :-1])
+        self.val_acc(logits.argmax(-1), batch[:, 1:])
+        self.log("val_acc", self.val_acc)
+        self.log(
+            "val_loss", F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1)), sync_dist=True
+        )
+
+
 class _History(Callback):
-    """What the loops and callbacks saw: step losses, each validation's val_loss, the LR, the logged train_loss."""
+    """What the loops and callbacks saw: step losses, each validation's val_loss, the LR, the logged train_loss and
+    the accuracies logged as Metric objects."""
 
     def __init__(self) -> None:
         self.losses, self.val, self.lrs, self.train_logged = [], [], [], []
+        self.train_acc_step, self.train_acc_epoch, self.val_acc = [], [], []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses.append(outputs["loss"].item())
         self.train_logged.append(trainer.callback_metrics["train_loss"].item())
+        self.train_acc_step.append(trainer.callback_metrics["train_acc_step"].item())
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.train_acc_epoch.append(trainer.callback_metrics["train_acc_epoch"].item())
 
     def on_validation_epoch_end(self, trainer, pl_module):
         if not trainer.sanity_checking:
             self.val.append(trainer.callback_metrics["val_loss"].item())
+            self.val_acc.append(trainer.callback_metrics["val_acc"].item())
             self.lrs.append(trainer.optimizers[0].param_groups[0]["lr"])
 
 
 def _fit_features(dirpath: str, strategy) -> dict:
     """Validation every epoch, ModelCheckpoint and EarlyStopping on val_loss, value clipping, accumulation over 2
-    batches, AdamW with StepLR; then test and predict."""
+    batches, AdamW with StepLR, torchmetrics accuracies logged as objects; then test and predict."""
     torch.manual_seed(0)
-    model = TinyGPT(optimizer="adamw", lr=0.02)
+    model = _MetricGPT(optimizer="adamw", lr=0.02)
     history = _History()
     checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=1)
     stopper = EarlyStopping(monitor="val_loss", min_delta=0.2, patience=1)
@@ -314,6 +347,9 @@ def _fit_features(dirpath: str, strategy) -> dict:
         "train_logged": history.train_logged,
         "val": history.val,
         "lrs": history.lrs,
+        "train_acc_step": history.train_acc_step,
+        "train_acc_epoch": history.train_acc_epoch,
+        "val_acc": history.val_acc,
         "best": checkpoint.best_model_score.item(),
         "best_path": os.path.basename(checkpoint.best_model_path),
         "stopped_epoch": stopper.stopped_epoch,
@@ -458,7 +494,8 @@ def test_pp2_lightning_features_agree_on_every_rank_and_with_one_process(two_ran
     assert first["stopped_epoch"] == single["stopped_epoch"] > 0  # EarlyStopping fired, at the same epoch
     assert first["global_step"] == single["global_step"]
     assert first["best_path"] == single["best_path"]
-    for key in ("losses", "train_logged", "val", "lrs"):
+    assert 0 < first["val_acc"][-1] < 1 and len(first["train_acc_epoch"]) == len(first["val"])
+    for key in ("losses", "train_logged", "val", "lrs", "train_acc_step", "train_acc_epoch", "val_acc"):
         assert first[key] == pytest.approx(single[key], rel=1e-5), key
     for key in ("best", "test_loss"):
         assert first[key] == pytest.approx(single[key], rel=1e-5), key
@@ -519,3 +556,33 @@ def test_pp2_tp2_matches_one_process(four_ranks):
     # ranks (placement "cluster"): 0, 1 = stage 0 (tp 0, 1); 2, 3 = stage 1. Sharded weights are the tensor-parallel
     # tests' business; the losses over ten steps check that the stages and shards train as one model.
     _check_against(_reference("gpt", {}), four_ranks, "gpt_pp2_tp2", weights=False)
+
+
+class _UnregisteredMetricGPT(_MetricGPT):
+    """Keeps its metric in a plain dict, so it is not a submodule: other stages cannot find their copy."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plain = {"acc": MulticlassAccuracy(VOCAB, average="micro")}
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        logits = self(batch[:, :-1])
+        self.plain["acc"](logits.argmax(-1), batch[:, 1:])
+        self.log("acc", self.plain["acc"])
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def _log_an_unregistered_metric(rank: int) -> str:
+    torch.set_num_threads(1)
+    try:
+        _trainer(SMPStrategy(**PP2), max_steps=1).fit(_UnregisteredMetricGPT())
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_pp2_a_logged_metric_outside_the_module_is_a_clear_error():
+    first, last = run_distributed(_log_an_unregistered_metric, 2, timeout=100)
+    assert "the metric must be an attribute of the LightningModule" in last
+    assert first.startswith("RuntimeError")  # the first stage, waiting for the step's result, does not hang

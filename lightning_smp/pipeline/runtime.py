@@ -10,8 +10,9 @@ weights in sync (pytorch #51931). The schedules are the same family (schedule.py
 Owns: the microbatch loop, forward and backward per action, scaling the pipelined loss (× loss scale / (m × k)),
 keeping the step's gradients aside until Lightning's backward call (Lightning zeroes gradients between
 ``training_step`` and ``backward``), the all-reduce of those gradients over data-parallel replicas and of tied
-parameters over the first and last stages, and handing every stage the last stage's outputs and ``self.log``
-calls. Not owned: the plan (partition.py, schedule.py), routing inside the trunk (stage.py), messages (p2p.py).
+parameters over the first and last stages, and handing every stage the last stage's outputs, ``self.log`` calls
+and the state of the torchmetrics objects it logged. Not owned: the plan (partition.py, schedule.py), routing
+inside the trunk (stage.py), messages (p2p.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
+from torchmetrics import Metric
 
 from lightning_smp.optimizer import mark_norm_duplicate
 from lightning_smp.pipeline import schedule as schedules
@@ -131,6 +133,7 @@ class _Step:
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: dict[int, list[tuple[str, Any, dict[str, Any]]]] = field(default_factory=dict)
+    metric_logs: dict[int, dict[str, tuple[Metric, Tensor | None, dict[str, Any]]]] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -278,6 +281,7 @@ class PipelineEngine:
                 )
             state.outputs[index] = _detach(output)  # the loss keeps its graph in `live` until its backward
             state.logs[index] = capture.calls
+            state.metric_logs[index] = capture.metrics
             if state.training:
                 state.live[(index, chunk)] = _Live(leaves, loss=_loss_of(output))
             return
@@ -320,15 +324,50 @@ class PipelineEngine:
             package = (
                 merge_outputs([state.outputs[i] for i in indices]),
                 _reduce_logs([state.logs[i] for i in indices]),
+                self._describe_metrics([state.metric_logs[i] for i in indices]),
             )
             for rank in stages[:-1]:
                 transport.send_activation(package, dst=rank, tag=tag)
         else:
             package, _ = transport.recv_activation(src=stages[-1], requires_grad=False, tag=tag)
-        merged, calls = package
+        merged, calls, metrics = package
         for name, value, options in calls:
             self._module.log(name, value, **options)
+        for name, (path, forward, states, updates, options) in metrics.items():
+            metric = self._module.get_submodule(path)
+            if not self._topology.is_last_stage:  # the last stage updated it: take its state
+                for state_name, value in states.items():
+                    setattr(metric, state_name, _own(value))
+                metric._update_count = int(updates)
+                metric._computed = None
+            metric._forward_cache = forward
+            self._module.log(name, metric, **options)
         return merged
+
+    def _describe_metrics(
+        self, per_microbatch: Sequence[dict[str, tuple[Metric, Tensor | None, dict[str, Any]]]]
+    ) -> dict[str, tuple[str, Tensor | None, dict[str, Any], Tensor, dict[str, Any]]]:
+        """For each torchmetrics ``Metric`` logged by the step on the last stage: where it sits in the module, its
+        step value (the mean over microbatches of its per-microbatch values), its state after the step and its
+        update count, so that every stage's copy of it holds the same state (Lightning computes epoch values from
+        the object, on every rank)."""
+        paths = {id(module): name for name, module in self._module.named_modules()}
+        described = {}
+        for name in {name: None for calls in per_microbatch for name in calls}:
+            logged = [calls[name] for calls in per_microbatch if name in calls]
+            metric, _, options = logged[-1]
+            if id(metric) not in paths:
+                raise ValueError(
+                    f"self.log({name!r}, <{type(metric).__name__}>) inside a pipelined step: the metric must be an "
+                    "attribute of the LightningModule (e.g. `self.train_acc = MulticlassAccuracy(...)` in __init__), "
+                    "so that every pipeline stage holds a copy of it."
+                )
+            forwards = [forward for _, forward, _ in logged if isinstance(forward, Tensor)]
+            forward = torch.stack(forwards).float().mean() if forwards else None
+            states = {key: value for key, value in metric.metric_state.items()}
+            updates = torch.tensor(metric._update_count)
+            described[name] = (paths[id(metric)], forward, states, updates, options)
+        return described
 
     def _result_tag(self, training: bool) -> int:
         """The tag of the step results' link: after every chunk link's two tags; training and evaluation apart."""
@@ -413,6 +452,7 @@ class _LogCapture:
     def __init__(self, module: pl.LightningModule) -> None:
         self._module = module
         self.calls: list[tuple[str, Any, dict[str, Any]]] = []
+        self.metrics: dict[str, tuple[Metric, Tensor | None, dict[str, Any]]] = {}
 
     def __enter__(self) -> _LogCapture:
         object.__setattr__(self._module, "log", self._log)
@@ -424,14 +464,17 @@ class _LogCapture:
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(self._module, name, value, *args, **kwargs)
         options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        options.pop("sync_dist_group", None)  # a process group cannot be sent; the strategy's default is used
+        if isinstance(value, Metric):  # its value on this microbatch now; its state once the step is done
+            self.metrics[name] = (value, _detach(value._forward_cache), options)
+            return
         if not isinstance(value, Tensor | int | float):
             raise ValueError(
                 f"self.log({name!r}, <{type(value).__name__}>) inside a pipelined step: only the last stage computes "
-                "the step's values, so lightning_smp sends them to the other stages, which works for tensors and "
-                f"numbers. Log the value instead, e.g. `self.log({name!r}, metric(preds, target))` for a torchmetrics "
-                "Metric, and compute epoch-level metrics in an epoch-end hook."
+                "the step's values, so lightning_smp sends them to the other stages, which works for tensors, "
+                "numbers and torchmetrics Metric objects that are attributes of the LightningModule. Log one of "
+                "those instead."
             )
-        options.pop("sync_dist_group", None)  # a process group cannot be sent; the strategy's default is used
         if not isinstance(value, Tensor):
             value = torch.tensor(float(value), dtype=torch.float64)  # numbers ride in the shared tensor buffer
         reduce_fx = options.get("reduce_fx", "mean")
@@ -458,6 +501,11 @@ def _loss_of(output: Any) -> Tensor:
             "it must return the loss tensor, or a dict with a 'loss' tensor, for every microbatch."
         )
     return loss
+
+
+def _own(value: Any) -> Any:
+    """A received tensor (a view into the message buffer), or a list of them, as tensors of their own."""
+    return [t.clone() for t in value] if isinstance(value, list) else value.clone()
 
 
 def _detach(value: Any) -> Any:
