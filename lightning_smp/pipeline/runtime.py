@@ -162,6 +162,7 @@ class PipelineEngine:
         self._pending: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._outside_checked = False
         self._outside_owner: dict[str, int] = {}
+        self._metric_paths: dict[int, str] = {}
 
     @property
     def plan(self) -> PartitionPlan:
@@ -351,12 +352,12 @@ class PipelineEngine:
         step value (the mean over microbatches of its per-microbatch values), its state after the step and its
         update count, so that every stage's copy of it holds the same state (Lightning computes epoch values from
         the object, on every rank)."""
-        paths = {id(module): name for name, module in self._module.named_modules()}
         described = {}
-        for name in {name: None for calls in per_microbatch for name in calls}:
+        for name in dict.fromkeys(name for calls in per_microbatch for name in calls):
             logged = [calls[name] for calls in per_microbatch if name in calls]
             metric, _, options = logged[-1]
-            if id(metric) not in paths:
+            path = self._metric_path(metric)
+            if path is None:
                 raise ValueError(
                     f"self.log({name!r}, <{type(metric).__name__}>) inside a pipelined step: the metric must be an "
                     "attribute of the LightningModule (e.g. `self.train_acc = MulticlassAccuracy(...)` in __init__), "
@@ -364,10 +365,16 @@ class PipelineEngine:
                 )
             forwards = [forward for _, forward, _ in logged if isinstance(forward, Tensor)]
             forward = torch.stack(forwards).float().mean() if forwards else None
-            states = {key: value for key, value in metric.metric_state.items()}
             updates = torch.tensor(metric._update_count)
-            described[name] = (paths[id(metric)], forward, states, updates, options)
+            described[name] = (path, forward, metric.metric_state, updates, options)
         return described
+
+    def _metric_path(self, metric: Metric) -> str | None:
+        """``metric``'s name in the LightningModule, or None when it is not a submodule. The names are looked up
+        once, and again only for a metric not seen before."""
+        if id(metric) not in self._metric_paths:
+            self._metric_paths = {id(m): n for n, m in self._module.named_modules() if isinstance(m, Metric)}
+        return self._metric_paths.get(id(metric))
 
     def _result_tag(self, training: bool) -> int:
         """The tag of the step results' link: after every chunk link's two tags; training and evaluation apart."""
