@@ -170,13 +170,7 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
         heads = self.num_heads // tp.size
         head_dim = self.head_dim
         first_head = tp.rank * heads
-        key_padding_mask = F._canonical_mask(
-            mask=key_padding_mask,
-            mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
-            other_name="attn_mask",
-            target_type=query.dtype,
-        )
+        # `forward` has canonicalised both masks (float, -inf where masked), as nn.MultiheadAttention.forward does
         if is_causal and attn_mask is None:
             raise RuntimeError(
                 "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
@@ -184,17 +178,8 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
             )
         if is_causal and key_padding_mask is None and not need_weights:
             attn_mask = None  # scaled_dot_product_attention applies the causal mask itself
-        else:
-            attn_mask = F._canonical_mask(
-                mask=attn_mask,
-                mask_name="attn_mask",
-                other_type=None,
-                other_name="",
-                target_type=query.dtype,
-                check_other=False,
-            )
-            if key_padding_mask is not None:
-                is_causal = False  # the merged mask is no longer causal
+        elif key_padding_mask is not None:
+            is_causal = False  # the merged mask is no longer causal
 
         q, k, v = self._in_projection(query, key, value, tp)  # (L, N, E/tp), (S, N, E/tp), (S, N, E/tp)
         src_len = k.shape[0]
