@@ -1,0 +1,145 @@
+"""Where one pipelined step's time goes: a per-action timeline of SMPStrategy(pipeline_parallel_degree=2) on both
+ranks, on the model and machine set-up of `pipeline_bench.py` (one thread per rank, gloo).
+
+Each rank wraps the engine's forward and backward actions and the transport's sends, receives and waits with
+wall-clock stamps (one clock: both ranks run on this machine), trains ``--steps`` steps, and the parent prints
+one step (``--show``, after warm-up) as ``label[start+duration]`` in ms from rank 0's step start, then each
+label's mean time per step over the steps after warm-up. Waits show where a rank idles (``recv_activation``: for
+an activation, or on a stage before the last for the step's result, inside ``share``; ``wait_grads``: for
+gradients); sends show what a message costs the caller.
+
+    python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline interleaved
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from benchmarks import pipeline_bench as bench
+except ImportError:  # run as `python benchmarks/pipeline_timeline.py`
+    import pipeline_bench as bench
+
+from lightning_smp.pipeline import p2p, runtime
+
+_WRAPPED = (
+    (runtime.PipelineEngine, "training_step", "STEP"),
+    (runtime.PipelineEngine, "_forward", "F"),
+    (runtime.PipelineEngine, "_backward", "B"),
+    (p2p.Transport, "send_activation", "send_activation"),
+    (p2p.Transport, "send_grads", "send_grads"),
+    (p2p.Transport, "recv_activation", "recv_activation"),
+    (p2p.Transport, "wait_grads", "wait_grads"),
+)
+
+
+def _stamp(events: list, cls: type, name: str, label: str) -> None:
+    original = cls.__dict__[name]
+    function = original.__func__ if isinstance(original, staticmethod) else original
+
+    def stamped(*args: Any, **kwargs: Any) -> Any:
+        start = time.time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            action = args[1] if len(args) > 1 and hasattr(args[1], "microbatch") else None
+            events.append((label, start, time.time(), None if action is None else action.microbatch))
+
+    setattr(cls, name, staticmethod(stamped) if isinstance(original, staticmethod) else stamped)
+
+
+def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
+    import lightning.pytorch as pl
+
+    from lightning_smp import SMPStrategy
+
+    events: list = []
+    for cls, name, label in _WRAPPED:
+        _stamp(events, cls, name, label)
+    share = runtime.PipelineEngine._share
+
+    def timed_share(engine: Any, state: Any) -> Any:  # the result's receive, on the stages before the last
+        start = time.time()
+        result = share(engine, state)
+        events.append(("share", start, time.time(), None))
+        return result
+
+    runtime.PipelineEngine._share = timed_share
+
+    class Blocks(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = bench._model(args.width, args.blocks)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.blocks(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-4)
+
+    strategy = SMPStrategy(pipeline_parallel_degree=2, microbatches=args.microbatches, pipeline=args.pipeline)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )
+    loader = torch.utils.data.DataLoader([bench._data(args)] * args.steps, batch_size=None)
+    trainer.fit(Blocks(), train_dataloaders=loader)
+    out.put((rank, events))
+
+
+def report(per_rank: dict[int, list], args: argparse.Namespace) -> None:
+    steps = {rank: [e for e in events if e[0] == "STEP"] for rank, events in per_rank.items()}
+    t0, t1 = steps[0][args.show][1], steps[0][args.show + 1][1]
+    print(f"step {args.show}: {1e3 * (t1 - t0):.1f} ms on rank 0 (ms from its start: label[start+duration])")
+    for rank, events in sorted(per_rank.items()):
+        shown = [e for e in events if t0 <= e[1] < t1 and e[0] != "STEP"]
+        cells = [
+            f"{label}{'' if mb is None else mb}[{1e3 * (a - t0):.1f}+{1e3 * (b - a):.1f}]" for label, a, b, mb in shown
+        ]
+        print(f"rank {rank}: " + " ".join(cells))
+    print(f"mean ms per step over steps {args.warmup}..{args.steps - 2}:")
+    for rank, events in sorted(per_rank.items()):
+        begin, end = steps[rank][args.warmup][1], steps[rank][-1][1]
+        totals: dict[str, float] = defaultdict(float)
+        for label, a, b, _ in events:
+            if begin <= a < end:
+                totals[label] += b - a
+        count = len(steps[rank]) - 1 - args.warmup
+        step_ms = (end - begin) / count
+        cells = " ".join(f"{label}={1e3 * total / count:.2f}" for label, total in sorted(totals.items()))
+        print(f"rank {rank}: step={1e3 * step_ms:.2f} {cells}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=8)
+    parser.add_argument("--pipeline", default="interleaved", choices=("interleaved", "simple"))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--show", type=int, default=10, help="the step printed action by action")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    if not args.warmup <= args.show < args.steps - 1:
+        parser.error("--show must lie in [--warmup, --steps - 2]")
+    report(dict(bench._spawn(_rank, 2, args, env={"TORCHELASTIC_RUN_ID": "timeline"})), args)
+
+
+if __name__ == "__main__":
+    main()
