@@ -586,3 +586,55 @@ def test_pp2_a_logged_metric_outside_the_module_is_a_clear_error():
     first, last = run_distributed(_log_an_unregistered_metric, 2, timeout=100)
     assert "the metric must be an attribute of the LightningModule" in last
     assert first.startswith("RuntimeError")  # the first stage, waiting for the step's result, does not hang
+
+
+# -- the transport between two stages -----------------------------------------------------------------------------
+
+# Per step: the values stage 0 sends on one link, and whether stage 1 announces them (`expect`) at the step's start.
+_LINK_STEPS = (
+    ([torch.arange(6.0).view(2, 3), torch.ones(2, 3)], True),  # the link's first values: their layout travels
+    ([torch.full((2, 3), 2.0), torch.full((2, 3), 3.0), torch.full((2, 3), 4.0)], True),  # all posted ahead
+    ([torch.zeros(2, 3), torch.arange(8.0).view(2, 4), torch.ones(2, 3)], True),  # a new shape mid-step, and back
+    ([torch.arange(8.0).view(2, 4), torch.ones(2, 3)], True),  # the step starts expecting the last step's last
+    ([{"x": torch.ones(1, dtype=torch.float16), "n": 3}, "nothing", torch.ones(2, 3)], True),  # a tree, no value
+    ([torch.full((2, 3), 5.0)], False),  # not announced: received when asked for
+)
+
+
+def _exchange_over_a_link(rank: int) -> list:
+    import torch.distributed as dist
+
+    from lightning_smp.pipeline.p2p import NOTHING, Transport
+    from tests.distributed import init_gloo
+
+    init_gloo()
+    transport = Transport(dist.group.WORLD, torch.device("cpu"))
+    received = []
+    for values, announced in _LINK_STEPS:
+        transport.begin_step()
+        if rank == 0:
+            for value in values:
+                transport.send_activation(NOTHING if value == "nothing" else value, dst=1, tag=0)
+        else:
+            if announced:
+                transport.expect(src=0, tag=0, count=len(values))
+            for _ in values:
+                value, _ = transport.recv_activation(src=0, requires_grad=False, tag=0)
+                received.append("nothing" if value is NOTHING else value)
+        transport.wait_sends()
+    return received
+
+
+@pytest.mark.timeout(60)
+def test_the_transport_delivers_every_value_when_layouts_change_within_and_between_steps():
+    _, received = run_distributed(_exchange_over_a_link, 2, timeout=50)
+    sent = [value for values, _ in _LINK_STEPS for value in values]
+    assert len(received) == len(sent)
+    for got, expected in zip(received, sent, strict=True):
+        if isinstance(expected, dict):
+            assert got["n"] == expected["n"] and torch.equal(got["x"], expected["x"])
+            assert got["x"].dtype == torch.float16
+        elif isinstance(expected, Tensor):
+            assert torch.equal(got, expected)
+        else:
+            assert got == expected

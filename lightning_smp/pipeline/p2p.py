@@ -1,22 +1,32 @@
 """Moving values between pipeline stages: activations forward, their gradients back, the step's result out.
 
 Owns the wire format. A value (a tensor, or any nesting of tuples / lists / dicts holding tensors) travels as
-one uint8 message: its tensors' bytes (16-byte aligned) and a trailing flag byte. Each link remembers the
-layout of the last value it carried, so in steady state a microbatch costs one message per direction: the
-receiver posts a buffer of the expected size, and the flag says whether the layout still holds. When it changed
-(or on a link's first use) the sender sets the flag, then sends the new layout (its size, then its pickled
-description) and the value. This matters on gloo: every message costs a wake-up of the receiver, about a
-millisecond on a loaded CPU, and a metadata message per microbatch doubled the count.
+one uint8 message: its tensors' bytes (16-byte aligned) and a trailing flag byte. In steady state a microbatch
+costs one message per direction: the receiver posts buffers of the expected size before the messages come, and
+the flag says whether the layout still holds. This matters on gloo: every message costs a wake-up of the
+receiver, about a millisecond on a loaded CPU, and a metadata message per microbatch doubled the count.
+
+The expected layout of a link is fixed for a whole step: the layout of the link's last value of the previous
+step (`begin_step` moves it on, on both sides, so sender and receiver agree without talking). A value of that
+layout goes as it is; any other value (the link's first, or a changed shape) goes as a message of the expected
+size flagged "changed", then its layout and itself on the link's layout tag (``tag + LAYOUT_TAG_OFFSET``), which
+nobody posts ahead, so buffers already posted for the step never meet a message of another size.
 Gradients need no layout (the receiver of an activation sends one gradient per tensor that required grad, in
-order). Sends are non-blocking (`isend`, kept until `wait_sends`), receives block; each link between chunks
-has its own tags (2c for activations of chunk c -> c + 1, 2c + 1 for their gradients), so messages of different
-chunks sharing a pair of ranks cannot be confused on gloo. The step's result travels from the last stage to
-each other stage as a value on a link of its own (`runtime.py` picks the tag).
+order). Sends are non-blocking (`isend`, kept until `wait_sends`). Each link between chunks has its own tags
+(2c for activations of chunk c -> c + 1, 2c + 1 for their gradients), so messages of different chunks sharing a
+pair of ranks cannot be confused on gloo; the step's result travels from the last stage to each other stage as a
+value on a link of its own (`runtime.py` picks the tag).
+
+How far ahead receives are posted depends on the backend (`expect`). On gloo a posted receive costs the caller a
+socket write (a "ready" note to the sender, whose data moves only then), so all the receives of a step are posted
+when it starts, while the stage waits for its first input anyway. On NCCL a posted receive occupies the pair's
+stream, and a send queued behind receives posted too far ahead could deadlock, so one receive is posted ahead.
 """
 
 from __future__ import annotations
 
 import pickle
+from collections import deque
 from typing import Any
 
 import torch
@@ -24,10 +34,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["NOTHING", "Transport"]
+__all__ = ["LAYOUT_TAG_OFFSET", "NOTHING", "Transport"]
 
 NOTHING: Any = object()
 """Sent instead of an activation when this rank's step did not reach its exit (the step did not use the trunk)."""
+
+LAYOUT_TAG_OFFSET = 1 << 16
+"""A link's layout tag is its tag plus this; the links' own tags stay below it."""
 
 _ALIGN = 16
 
@@ -42,10 +55,14 @@ class _Slot:
 _SLOT = _Slot()
 _SAME, _CHANGED = 0, 1
 _Layout = tuple  # ("nothing",) | ("tensor", dtype, shape, requires_grad) | ("tree", spec bytes, tensor metas)
+_Link = tuple[int, int]  # (peer rank, tag)
 
 
 class Transport:
     """Sends and receives between this rank and its neighbours in ``group`` (the pipeline group).
+
+    Every rank calls `begin_step` at the start of each pipelined step, and a receiver announces with `expect`
+    how many values each of its links brings in the step.
 
     Args:
         group: the pipeline process group.
@@ -57,51 +74,72 @@ class Transport:
         self._device = device
         self._ranks = dist.get_process_group_ranks(group)
         self._pending: list[tuple[dist.Work, Any]] = []
-        self._sent: dict[tuple[int, int], _Layout] = {}
-        self._received: dict[tuple[int, int], _Layout] = {}
-        self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}
+        # per link: the layout expected this step, and the layout of the last value it carried
+        self._sent_expected: dict[_Link, _Layout] = {}
+        self._sent_last: dict[_Link, _Layout] = {}
+        self._received_expected: dict[_Link, _Layout] = {}
+        self._received_last: dict[_Link, _Layout] = {}
+        self._posted: dict[_Link, deque[tuple[dist.Work, Tensor]]] = {}
+        self._to_post: dict[_Link, int] = {}
 
     def peer(self, offset: int) -> int:
         """The global rank ``offset`` stages away, wrapping around (the last stage's next is the first)."""
         index = self._ranks.index(dist.get_rank())
         return self._ranks[(index + offset) % len(self._ranks)]
 
+    def begin_step(self) -> None:
+        """A new step: each link now expects the layout of the last value it carried."""
+        unread = [link for link, posted in self._posted.items() if posted or self._to_post.get(link)]
+        if unread:
+            raise RuntimeError(f"internal error: a pipelined step ended with receives still expected on {unread}")
+        self._sent_expected = dict(self._sent_last)
+        self._received_expected = dict(self._received_last)
+
+    def expect(self, *, src: int, tag: int, count: int) -> None:
+        """This step brings ``count`` values from ``src`` on ``tag``: post their receives (all of them now on
+        gloo, one ahead elsewhere; see the module docstring). Values of an unknown layout need none."""
+        link = (src, tag)
+        if link not in self._received_expected:
+            return
+        self._to_post[link] = count
+        for _ in range(count if self._device.type == "cpu" else 1):
+            self._post(link)
+
     def send_activation(self, value: Any, *, dst: int, tag: int) -> list[Tensor]:
         """Send ``value``; returns the tensors in it that require grad (their gradients come back in order)."""
         layout, tensors = _describe(value)
-        expected = self._sent.get((dst, tag))
-        if expected is not None and expected != layout:
-            self._isend(_flagged(torch.empty(_size(expected), dtype=torch.uint8), _CHANGED), dst, tag)
-        if expected != layout:
-            self._send_layout(layout, dst, tag)
-            self._sent[(dst, tag)] = layout
-        self._isend(_pack(tensors, layout, self._device), dst, tag)
+        link = (dst, tag)
+        expected = self._sent_expected.get(link)
+        self._sent_last[link] = layout
+        if layout == expected:
+            self._isend(_pack(tensors, layout, self._device), dst, tag)
+        else:
+            if expected is not None:  # fills the receive posted for it
+                self._isend(
+                    _flagged(torch.empty(_size(expected), dtype=torch.uint8, device=self._device), _CHANGED), dst, tag
+                )
+            self._send_layout(layout, dst, tag + LAYOUT_TAG_OFFSET)
+            self._isend(_pack(tensors, layout, self._device), dst, tag + LAYOUT_TAG_OFFSET)
         return [t for t in tensors if t.requires_grad]
-
-    def post_activation(self, *, src: int, tag: int) -> None:
-        """Post the receive of the next activation from ``src`` now, so that gloo can move it while this rank
-        computes (it moves a message once the receiver has posted its buffer). Needs the link's layout; the
-        flag byte still catches a change, because a sender always first sends a message of the expected size."""
-        layout = self._received.get((src, tag))
-        if layout is not None and (src, tag) not in self._posted:
-            buffer = torch.empty(_size(layout) + 1, dtype=torch.uint8, device=self._device)
-            self._posted[(src, tag)] = (dist.irecv(buffer, src=src, group=self._group, tag=tag), buffer)
 
     def recv_activation(self, *, src: int, requires_grad: bool, tag: int) -> tuple[Any, list[Tensor]]:
         """Receive an activation; returns it (`NOTHING` if none was sent) and its leaves that require grad."""
-        layout = self._received.get((src, tag))
-        if layout is not None:
-            posted = self._posted.pop((src, tag), None)
-            if posted is None:
-                buffer = self._recv((_size(layout) + 1,), torch.uint8, src, tag)
-            else:
-                posted[0].wait()
-                buffer = posted[1]
+        link = (src, tag)
+        expected = self._received_expected.get(link)
+        if expected is not None:
+            if not self._posted.get(link):
+                self._post(link)
+            work, buffer = self._posted[link].popleft()
+            work.wait()
+            if self._to_post.get(link):
+                self._post(link)
             if int(buffer[-1]) == _SAME:  # sync: a byte, read once the message is here anyway
-                return _unpack(buffer, layout, requires_grad)
-        layout = self._recv_layout(src, tag)
-        self._received[(src, tag)] = layout
-        return _unpack(self._recv((_size(layout) + 1,), torch.uint8, src, tag), layout, requires_grad)
+                self._received_last[link] = expected
+                return _unpack(buffer, expected, requires_grad)
+        layout = self._recv_layout(src, tag + LAYOUT_TAG_OFFSET)
+        self._received_last[link] = layout
+        buffer = self._recv((_size(layout) + 1,), torch.uint8, src, tag + LAYOUT_TAG_OFFSET)
+        return _unpack(buffer, layout, requires_grad)
 
     def send_grads(self, leaves: list[Tensor], *, dst: int, tag: int) -> None:
         """Send the gradients of received ``leaves`` back (zeros for a leaf the step did not use)."""
@@ -129,6 +167,13 @@ class Transport:
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+
+    def _post(self, link: _Link) -> None:
+        """Post the receive of the link's next value, of the expected layout's size."""
+        self._to_post[link] = max(self._to_post.get(link, 0) - 1, 0)
+        buffer = torch.empty(_size(self._received_expected[link]) + 1, dtype=torch.uint8, device=self._device)
+        work = dist.irecv(buffer, src=link[0], group=self._group, tag=link[1])
+        self._posted.setdefault(link, deque()).append((work, buffer))
 
     def _send_layout(self, layout: _Layout, dst: int, tag: int) -> None:
         described = pickle.dumps(layout)

@@ -245,11 +245,12 @@ class PipelineEngine:
             training=state.training,
         )
         transport = self._transport_()
+        transport.begin_step()
         for chunk in self._plan.chunks_of(self._stage):
             if chunk > 0:
-                transport.post_activation(src=transport.peer(-1), tag=2 * (chunk - 1))
+                transport.expect(src=transport.peer(-1), tag=2 * (chunk - 1), count=len(state.microbatches))
         if not self._topology.is_last_stage:  # gloo moves a message only once its receive is posted
-            transport.post_activation(src=self._topology.ranks("pp")[-1], tag=self._result_tag(state.training))
+            transport.expect(src=self._topology.ranks("pp")[-1], tag=self._result_tag(state.training), count=1)
         for action in plan:
             if action.forward:
                 self._forward(action, state, transport)
@@ -265,8 +266,6 @@ class PipelineEngine:
             received, leaves = transport.recv_activation(
                 src=transport.peer(-1), requires_grad=state.training, tag=2 * (chunk - 1)
             )
-            if index < len(state.microbatches) - 1:  # every step sends m activations per link, in order
-                transport.post_activation(src=transport.peer(-1), tag=2 * (chunk - 1))
         capture = _LogCapture(self._module)
         exited = False
         with self._router.run(chunk, received) as call, capture:
