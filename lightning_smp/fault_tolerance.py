@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import math
 import signal
 import subprocess
 import threading
@@ -41,6 +42,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+VOTE_INTERVAL_S = 0.5
+"""About how often, in seconds of training, the ranks vote on a scheduler's SIGTERM."""
+
+
 class SchedulerSignal:
     """SIGTERM handling that stops every rank after the same training step, with no blocking collective per step.
 
@@ -52,11 +57,15 @@ class SchedulerSignal:
     of one step's end with the next one's start.
 
     Here the handler only notes the signal (and passes it to the ranks this process launched), and the per-step
-    broadcast is replaced by a vote: at the start of every training step each rank starts a non-blocking
-    all-reduce of what it noted and reads the vote started one step earlier (long since arrived; on CUDA through a
-    non-blocking copy). Every rank reads the same vote at the same step, so all of them stop together after the
-    step in which the signal was noted, or the next, and exit cleanly. A signal that arrives during a checkpoint
-    save is held until the save is whole (`checkpoint.save`).
+    broadcast is replaced by a vote: at the start of a training step each rank starts a non-blocking all-reduce
+    (max) of its vote and reads the vote started at the previous voting step (long since arrived; on CUDA through
+    a non-blocking copy). A rank votes infinity once it noted the signal, else its seconds per training step since
+    the last vote. Every rank reads the same result at the same step: infinity stops all of them after that step
+    (a SIGTERMException before it, as Lightning's broadcast raises); otherwise the result sets how many steps pass
+    until the next vote, about `VOTE_INTERVAL_S` of training (every step when steps are slower). A vote is a
+    small collective, and on a busy CPU even a non-blocking one costs a pipeline's step a few percent. So all
+    ranks stop together within about two intervals and a step of the signal, and exit cleanly. A signal that
+    arrives during a checkpoint save is held until the save is whole (`checkpoint.save`).
     """
 
     def __init__(self) -> None:
@@ -64,9 +73,13 @@ class SchedulerSignal:
         self._noted = False
         self._vote: tuple[dist.Work, Tensor] | None = None
         self._mirror: HostMirror | None = None
+        self._steps_between_votes = 1
+        self._steps_to_vote = 0
+        self._voted_at = 0.0
 
     def install(self, trainer: pl.Trainer) -> None:
         self._trainer, self._noted, self._vote = trainer, False, None
+        self._steps_between_votes, self._steps_to_vote = 1, 0
         if trainer.world_size > 1:
             trainer._signal_connector._sigterm_notifier_fn = self._note  # Lightning registers it after setup
             trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree
@@ -87,25 +100,36 @@ class SchedulerSignal:
             trainer._signal_connector.received_sigterm = True
 
     def _agree(self) -> None:
-        """Collective, at the start of every training step on every rank (in place of Lightning's broadcast)."""
+        """At the start of every training step on every rank (in place of Lightning's broadcast); collective at
+        the voting steps, which every rank counts alike."""
+        self._steps_to_vote -= 1
+        if self._steps_to_vote > 0:
+            return
         trainer = self._trainer
+        now = time.monotonic()
+        seconds_per_step = 0.0
         if self._vote is not None:
             work, votes = self._vote
             if self._mirror is None:
-                work.wait()  # gloo: the vote of the previous step has arrived
-                stop = votes.item()
+                work.wait()  # gloo: the previous vote has arrived
+                result = votes.item()
             else:
-                stop = self._mirror.read()
-            if stop:
+                result = self._mirror.read()
+            if result == math.inf:
                 self._vote = None
                 trainer._signal_connector.received_sigterm = True
                 raise SIGTERMException  # as Lightning's broadcast does, before the step
-        votes = torch.tensor(float(self._noted), device=trainer.strategy.root_device)
+            seconds_per_step = (now - self._voted_at) / self._steps_between_votes
+            self._steps_between_votes = max(1, int(VOTE_INTERVAL_S / result)) if result > 0 else 1
+        vote = math.inf if self._noted else seconds_per_step
+        votes = torch.tensor(vote, device=trainer.strategy.root_device)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True)
         if self._mirror is not None:
             work.wait()  # NCCL: the stream waits, not the host
             self._mirror.capture(votes)
         self._vote = (work, votes)
+        self._voted_at = now
+        self._steps_to_vote = self._steps_between_votes
 
 
 # What gloo and NCCL say when a peer has died or stopped answering.
