@@ -91,7 +91,11 @@ class Transport:
         """A new step: each link now expects the layout of the last value it carried."""
         unread = [link for link, posted in self._posted.items() if posted or self._to_post.get(link)]
         if unread:
-            raise RuntimeError(f"internal error: a pipelined step ended with receives still expected on {unread}")
+            raise RuntimeError(
+                f"a pipelined step began while receives of an earlier one were still expected (links {unread}): "
+                "that step stopped part-way, on an error, and its messages may still be on their way. The pipeline "
+                "cannot go on in this process; restart the script (in a notebook, the kernel)."
+            )
         self._sent_expected = dict(self._sent_last)
         self._received_expected = dict(self._received_last)
 
