@@ -149,6 +149,8 @@ _FIXES = {
     "chunks per stage need pipeline='interleaved'": "Set `pipeline='interleaved'` with `virtual_stages` > 1, or "
     "`virtual_stages=1`.",
     "internal error": "An internal error of the pipeline runtime: please report it.",
+    "receives of an earlier one were still expected": "Restart the script (in a notebook, the kernel) after a "
+    "pipelined run that failed part-way; a new run in the same process cannot pick up its messages.",
     "attn_mask": "Pass an attention mask of shape (T, S) or (B * num_heads, T, S), as `nn.MultiheadAttention` takes.",
     "query has embedding dim": "Feed the attention layer inputs of the `embed_dim` it was built with.",
     "is not a style": "Use one of the styles the message suggests: colwise, rowwise, vocab, auto, replicate.",
