@@ -6,7 +6,8 @@ wall-clock stamps (one clock: both ranks run on this machine), trains ``--steps`
 one step (``--show``, after warm-up) as ``label[start+duration]`` in ms from rank 0's step start, then each
 label's mean time per step over the steps after warm-up. Waits show where a rank idles (``recv_activation``: for
 an activation, or on a stage before the last for the step's result, inside ``share``; ``wait_grads``: for
-gradients); sends show what a message costs the caller.
+gradients); sends and posted receives (``post_receive``: an activation's or the result's, ``post_grads``) show
+what a message costs the caller.
 
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline interleaved
 """
@@ -36,6 +37,8 @@ _WRAPPED = (
     (p2p.Transport, "send_grads", "send_grads"),
     (p2p.Transport, "recv_activation", "recv_activation"),
     (p2p.Transport, "wait_grads", "wait_grads"),
+    (p2p.Transport, "_post", "post_receive"),
+    (p2p.Transport, "post_grads", "post_grads"),
 )
 
 
