@@ -43,7 +43,9 @@ log = logging.getLogger(__name__)
 
 
 VOTE_INTERVAL_S = 0.5
-"""About how often, in seconds of training, the ranks vote on a scheduler's SIGTERM."""
+"""About how often, in seconds of training, the ranks vote on a scheduler's SIGTERM..."""
+MAX_STEPS_BETWEEN_VOTES = 8
+"""...and at least every this many training steps (steps that slow down cannot delay a stop for long)."""
 
 
 class SchedulerSignal:
@@ -62,9 +64,10 @@ class SchedulerSignal:
     a non-blocking copy). A rank votes infinity once it noted the signal, else its seconds per training step since
     the last vote. Every rank reads the same result at the same step: infinity stops all of them after that step
     (a SIGTERMException before it, as Lightning's broadcast raises); otherwise the result sets how many steps pass
-    until the next vote, about `VOTE_INTERVAL_S` of training (every step when steps are slower). A vote is a
-    small collective, and on a busy CPU even a non-blocking one costs a pipeline's step a few percent. So all
-    ranks stop together within about two intervals and a step of the signal, and exit cleanly. A signal that
+    until the next vote: about `VOTE_INTERVAL_S` of training, at most `MAX_STEPS_BETWEEN_VOTES` steps, every step
+    when steps are slower. A vote is a small collective, and on a busy CPU even a non-blocking one costs a
+    pipeline's step a few percent. So all ranks stop together within two intervals and a step of the signal
+    (about a second, or 2 × 8 steps, whichever comes first), and exit cleanly. A signal that
     arrives during a checkpoint save is held until the save is whole (`checkpoint.save`).
     """
 
@@ -120,7 +123,8 @@ class SchedulerSignal:
                 trainer._signal_connector.received_sigterm = True
                 raise SIGTERMException  # as Lightning's broadcast does, before the step
             seconds_per_step = (now - self._voted_at) / self._steps_between_votes
-            self._steps_between_votes = max(1, int(VOTE_INTERVAL_S / result)) if result > 0 else 1
+            steps = int(VOTE_INTERVAL_S / result) if result > 0 else 1
+            self._steps_between_votes = min(max(steps, 1), MAX_STEPS_BETWEEN_VOTES)
         vote = math.inf if self._noted else seconds_per_step
         votes = torch.tensor(vote, device=trainer.strategy.root_device)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True)
