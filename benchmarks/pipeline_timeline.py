@@ -10,6 +10,7 @@ gradients); sends and posted receives (``post_receive``: an activation's or the 
 what a message costs the caller.
 
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline interleaved
+    python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline simple --active-microbatches 8  # bench's GPipe
 """
 
 from __future__ import annotations
@@ -87,7 +88,12 @@ def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-4)
 
-    strategy = SMPStrategy(pipeline_parallel_degree=2, microbatches=args.microbatches, pipeline=args.pipeline)
+    strategy = SMPStrategy(
+        pipeline_parallel_degree=2,
+        microbatches=args.microbatches,
+        pipeline=args.pipeline,
+        active_microbatches=args.active_microbatches,
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
@@ -134,6 +140,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--pipeline", default="interleaved", choices=("interleaved", "simple"))
+    parser.add_argument(
+        "--active-microbatches",
+        type=int,
+        default=None,
+        help="smp's cap (default stages + 2); pipeline_bench's GPipe: m",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--show", type=int, default=10, help="the step printed action by action")
