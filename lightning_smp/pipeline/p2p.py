@@ -234,16 +234,16 @@ def _size(layout: _Layout) -> int:
     return _offsets(layout)[1]
 
 
-def _pack(tensors: list[Tensor], layout: _Layout, device: torch.device, flag: int = _SAME) -> Tensor:
+def _pack(tensors: list[Tensor], layout: _Layout, device: torch.device) -> Tensor:
+    """The message carrying ``tensors`` laid out as ``layout``, flagged "same"."""
     offsets, size = _offsets(layout)
     if len(tensors) == 1 and offsets == [0]:
-        data = tensors[0].detach().contiguous().reshape(-1).view(torch.uint8)
-        return torch.cat([data, torch.tensor([flag], dtype=torch.uint8, device=data.device)])
+        return _flagged(tensors[0].detach().contiguous().reshape(-1).view(torch.uint8), _SAME)
     buffer = torch.zeros(size + 1, dtype=torch.uint8, device=device)
     for tensor, start in zip(tensors, offsets, strict=True):
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[start : start + data.numel()].copy_(data)
-    buffer[-1] = flag
+    buffer[-1] = _SAME
     return buffer
 
 
