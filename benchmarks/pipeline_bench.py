@@ -299,6 +299,11 @@ def report(best: dict, args: argparse.Namespace) -> dict:
         first = f"{row['microbatches']:>3} {row['single_s'] * 1e3:10.1f} {row['B']:5.2f} {row['ideal_speedup']:6.2f}"
         print(f"{first} {cells}")
     print("(each pipeline: step time, fraction of the ideal speed-up / speed-up over `single`)")
+    return record(rows, args)
+
+
+def record(rows: list[dict], args: argparse.Namespace) -> dict:
+    """A run's rows with the date, machine, command and settings that produced them (the JSON of ``--out``)."""
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
