@@ -1,0 +1,87 @@
+"""The CPU benchmarks still run, with the smallest settings, and report every kind they promise (no timings are
+judged here: docs/benchmarks.md holds the measured figures and the commands that produce them)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script>`` in a fresh interpreter; returns its stdout, fails with its stderr's tail."""
+    try:
+        done = subprocess.run(
+            [sys.executable, str(_REPO / "benchmarks" / script), *args],
+            cwd=_REPO,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{script} {' '.join(args)} ran past 240 s", pytrace=False)
+    assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def _positive(value: float) -> bool:
+    return math.isfinite(value) and value > 0
+
+
+def test_pipeline_bench_reports_every_pipeline_against_the_ideal(tmp_path: Path) -> None:
+    out = tmp_path / "pipeline.json"
+    small = ("--width", "16", "--batch", "32", "--microbatches", "2", "--rounds", "1", "--steps", "2", "--warmup", "1")
+    _run("pipeline_bench.py", *small, "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["microbatches"] == 2
+    assert _positive(row["B"]) and _positive(row["ideal_speedup"])
+    for kind in ("smp_1f1b", "smp_gpipe", "smp_virtual2", "torch_1f1b", "torch_gpipe"):
+        assert _positive(row[f"{kind}_s"]) and _positive(row[f"{kind}_of_ideal"]), kind
+
+
+def test_pipeline_messages_reports_ours_and_torch_per_compute_time(tmp_path: Path) -> None:
+    out = tmp_path / "messages.json"
+    small = ("--width", "16", "--rows", "4", "--compute-us", "0,50", "--rounds", "1", "--steps", "2", "--warmup", "1")
+    _run("pipeline_messages.py", *small, "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["compute_us"] for row in rows] == [0, 50]
+    assert all(_positive(row["ours_s"]) and _positive(row["torch_s"]) for row in rows)
+
+
+def test_pipeline_timeline_prints_both_ranks_actions() -> None:
+    stdout = _run(
+        "pipeline_timeline.py", "--width", "16", "--batch", "32", "--steps", "8", "--warmup", "2", "--show", "4"
+    )
+    for rank in (0, 1):
+        assert f"rank {rank}: step=" in stdout
+    assert "F0[" in stdout and "B0[" in stdout
+
+
+def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:
+    out = tmp_path / "precision.json"
+    _run(
+        "precision_bench.py",
+        "--size",
+        "tiny",
+        "--modes",
+        "smp_fp16,16-mixed",
+        "--steps",
+        "2",
+        "--warmup",
+        "2",
+        "--out",
+        str(out),
+    )
+    modes = json.loads(out.read_text())["results"]["tiny"]["modes"]
+    assert set(modes) == {"smp_fp16", "16-mixed"}
+    assert all(_positive(mode["tokens_per_s"]) for mode in modes.values())
+
+
+def test_tp_memory_reports_every_layout() -> None:
+    stdout = _run("tp_memory.py")
+    for tp in (1, 2, 4):
+        assert f"tp={tp}: largest per-rank block state" in stdout
