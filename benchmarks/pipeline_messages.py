@@ -75,6 +75,7 @@ class _BusyStage(nn.Module):
 def _ours_step(
     rank: int, args: argparse.Namespace, module: nn.Module, inputs: list, transport: Any, plan: list
 ) -> None:
+    """One step of this rank's 1F1B plan over the transport, in the engine's order of posts, sends and waits."""
     transport.begin_step()
     if rank == 1:
         transport.expect(src=0, tag=0, count=args.microbatches)
