@@ -106,11 +106,10 @@ def _half(rank: int, args: argparse.Namespace, out: Any, barrier: Any) -> None:
     out.put((rank, result))
 
 
-def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
+def fit_blocks(args: argparse.Namespace, strategy: Any, steps: int, callbacks: list | None = None) -> None:
+    """A real ``Trainer.fit`` of the blocks (MSE loss, SGD) on two CPU ranks under ``strategy``, ``steps`` steps
+    of the same batch, printing and writing nothing; `pipeline_timeline.py` times the same run."""
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
-
-    from lightning_smp import SMPStrategy
 
     class Blocks(pl.LightningModule):
         def __init__(self) -> None:
@@ -124,6 +123,27 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-4)
 
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=STAGES,
+        strategy=strategy,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        callbacks=callbacks,
+    )
+    loader = torch.utils.data.DataLoader([_data(args)] * steps, batch_size=None)
+    trainer.fit(Blocks(), train_dataloaders=loader)
+
+
+def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
+    from lightning.pytorch.callbacks import Callback
+
+    from lightning_smp import SMPStrategy
+
     class StepTimes(Callback):
         def __init__(self) -> None:
             self.starts: list[float] = []
@@ -134,7 +154,6 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.starts.append(time.perf_counter())
 
-    batch = _data(args)
     result = {}
     kinds = (
         ("smp_1f1b", "interleaved", None, 1),
@@ -151,20 +170,7 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
                 active_microbatches=m if active else None,
                 virtual_stages=virtual_stages,
             )
-            trainer = pl.Trainer(
-                accelerator="cpu",
-                devices=STAGES,
-                strategy=strategy,
-                max_steps=args.warmup + args.steps,
-                logger=False,
-                enable_checkpointing=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                use_distributed_sampler=False,
-                callbacks=[timer],
-            )
-            loader = torch.utils.data.DataLoader([batch] * (args.warmup + args.steps), batch_size=None)
-            trainer.fit(Blocks(), train_dataloaders=loader)
+            fit_blocks(args, strategy, args.warmup + args.steps, callbacks=[timer])
             steps = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
             result[(name, m)] = statistics.median(steps[args.warmup :])
     out.put((rank, result))

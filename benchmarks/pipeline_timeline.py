@@ -20,9 +20,6 @@ import time
 from collections import defaultdict
 from typing import Any
 
-import torch
-from torch import nn
-
 try:
     from benchmarks import pipeline_bench as bench
 except ImportError:  # run as `python benchmarks/pipeline_timeline.py`
@@ -59,8 +56,6 @@ def _stamp(events: list, cls: type, name: str, label: str) -> None:
 
 
 def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
-    import lightning.pytorch as pl
-
     from lightning_smp import SMPStrategy
 
     events: list = []
@@ -76,37 +71,13 @@ def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
 
     runtime.PipelineEngine._share = timed_share
 
-    class Blocks(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = bench._model(args.width, args.blocks)
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.blocks(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-4)
-
     strategy = SMPStrategy(
         pipeline_parallel_degree=2,
         microbatches=args.microbatches,
         pipeline=args.pipeline,
         active_microbatches=args.active_microbatches,
     )
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-    )
-    loader = torch.utils.data.DataLoader([bench._data(args)] * args.steps, batch_size=None)
-    trainer.fit(Blocks(), train_dataloaders=loader)
+    bench.fit_blocks(args, strategy, args.steps)
     out.put((rank, events))
 
 
