@@ -37,6 +37,7 @@ _WRAPPED = (
     (p2p.Transport, "wait_grads", "wait_grads"),
     (p2p.Transport, "_post", "post_receive"),
     (p2p.Transport, "post_grads", "post_grads"),
+    (runtime.PipelineEngine, "_share", "share"),  # on the stages before the last, the step result's receive
 )
 
 
@@ -61,15 +62,6 @@ def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
     events: list = []
     for cls, name, label in _WRAPPED:
         _stamp(events, cls, name, label)
-    share = runtime.PipelineEngine._share
-
-    def timed_share(engine: Any, state: Any) -> Any:  # the result's receive, on the stages before the last
-        start = time.time()
-        result = share(engine, state)
-        events.append(("share", start, time.time(), None))
-        return result
-
-    runtime.PipelineEngine._share = timed_share
 
     strategy = SMPStrategy(
         pipeline_parallel_degree=2,
