@@ -15,8 +15,10 @@ Modes: smp_fp16 (SMPStrategy(fp16=True): fp16 params, fp32 flat masters, smp's d
 (fp16 params, no masters, no scaler: the ceiling), and `<mode>_compile` for smp_fp16, 16-mixed and 16-true
 (torch.compile of the inner GPT in `configure_model`). smp keeps its init scale 2**32 unless --init-scale is
 given: its ~16 overflow-skipped first steps fall in the warm-up (default 20), and the JSON counts any that do not.
-With ``--profile-steps N``, N more steps per mode run under torch.profiler and the JSON keeps each mode's top
-kernels by self time per step (``profile_top``), to see where two modes' steps differ.
+The timed steps are also split at Lightning's hooks into forward, backward, unscale, optimizer and loop, on the
+device's clock (``phases_ms``), so the time one mode loses against another is placed in a phase. With
+``--profile-steps N``, N more steps per mode run under torch.profiler and the JSON keeps each mode's top kernels by
+self time per step (``profile_top``) and the device's busy time per step (``profile_total_us_per_step``).
 """
 
 from __future__ import annotations
@@ -220,6 +222,74 @@ class StepTimer(Callback):
         self._stop_sync_check(cycles=1)
 
 
+PHASES = ("forward", "backward", "unscale", "optimizer", "loop")
+
+
+class PhaseTimer(Callback):
+    """Splits each timed step at Lightning's hooks into ``PHASES``, timed on the device's own clock: forward
+    (batch start → before backward, the loss included), backward (→ after backward), unscale (→ before the
+    optimizer step: GradScaler's unscale, clipping), optimizer (→ batch end: the step, masters copied back, the
+    scale updated) and loop (→ the next batch's start: Lightning's bookkeeping). On CUDA each boundary is an event
+    recorded in the stream (no sync; read after fit), so a phase is what the GPU spent between two points,
+    waiting for the host included; on the CPU it is host time. Keeps each phase's median over the steps."""
+
+    def __init__(self, first: int, steps: int) -> None:
+        self.first, self.steps = first, steps
+        self.result: dict[str, float] = {}
+        self._cuda = False
+        self._step: list[Any] | None = None  # the boundaries of the step running now
+        self._done: list[list[Any]] = []
+
+    def _stamp(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _mark(self) -> None:
+        if self._step is not None:
+            self._step.append(self._stamp())
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._cuda = pl_module.device.type == "cuda"
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
+        if self._step is not None:  # the previous step's loop phase ends here
+            self._mark()
+            self._done.append(self._step)
+            self._step = None
+        if self.first <= idx < self.first + self.steps:
+            self._step = [self._stamp()]
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        self._mark()
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._mark()
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self._mark()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self._mark()
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        steps = [marks for marks in self._done if len(marks) == len(PHASES) + 1]
+        if not steps:
+            return
+        if self._cuda:
+            torch.cuda.synchronize()  # sync: after fit, the recorded events have all run
+        for index, phase in enumerate(PHASES):
+            spans = sorted(self._elapsed_ms(marks[index], marks[index + 1]) for marks in steps)
+            self.result[phase] = spans[len(spans) // 2]
+
+    def _elapsed_ms(self, start: Any, end: Any) -> float:
+        return start.elapsed_time(end) if self._cuda else 1000 * (end - start)
+
+
 class StepProfiler(Callback):
     """Runs ``steps`` whole steps from batch ``start`` under `torch.profiler` and keeps the ``top`` operators and
     kernels by self time on the device (CUDA) or the host, per step: where one precision's step differs from
@@ -228,6 +298,7 @@ class StepProfiler(Callback):
     def __init__(self, start: int, steps: int, top: int = 30) -> None:
         self.start, self.steps, self.top = start, steps, top
         self.result: list[dict[str, Any]] = []
+        self.total_us_per_step: float | None = None
         self._profiler: torch.profiler.profile | None = None
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int) -> None:
@@ -253,6 +324,8 @@ class StepProfiler(Callback):
             ]
             rows.sort(key=lambda row: row["self_us_per_step"], reverse=True)
             self.result = rows[: self.top]
+            # all of it, not only the top: the device's busy time per step, to set against the step's wall time
+            self.total_us_per_step = sum(row["self_us_per_step"] for row in rows)
             self._profiler = None
 
 
@@ -291,6 +364,7 @@ def run_mode(mode: Mode, config: GPTConfig, batches: list, args: argparse.Namesp
     timer = StepTimer(args.warmup, args.steps, args.sync_check_steps)
     profiled = args.warmup + args.steps + args.sync_check_steps
     profiler = StepProfiler(profiled, args.profile_steps)
+    phases = PhaseTimer(args.warmup, args.steps)
     trainer = L.Trainer(
         accelerator="auto",
         devices=1,
@@ -300,7 +374,7 @@ def run_mode(mode: Mode, config: GPTConfig, batches: list, args: argparse.Namesp
         enable_progress_bar=args.progress_bar,
         enable_model_summary=False,
         use_distributed_sampler=False,  # the same batches in the same order for every strategy
-        callbacks=[timer, profiler],
+        callbacks=[timer, phases, profiler],
         **extra,
     )
     # batch_size=None: the loader hands out the pre-made (pinned) tensors as they are, no collate copy.
@@ -316,10 +390,12 @@ def run_mode(mode: Mode, config: GPTConfig, batches: list, args: argparse.Namesp
         "compiled": mode.compile,
         "mode_wall_s": time.perf_counter() - start,
         **timer.result,
+        "phases_ms": phases.result,
     }
     if profiler.result:
         result["profile_top"] = profiler.result
-    del trainer, module, timer, profiler, loader
+        result["profile_total_us_per_step"] = profiler.total_us_per_step
+    del trainer, module, timer, phases, profiler, loader
     _release_memory()
     return result
 
@@ -396,6 +472,12 @@ def print_table(size: str, results: dict[str, dict[str, Any]], goals: list[dict[
             f"{_fmt(r.get('skipped_steps_timed'), 'd'):>6}{_fmt(syncs, '.1f'):>6}{_fmt(anchors.get(name), '.1f'):>8}"
             f"  {r['precision_used']}"
         )
+    phased = {name: r["phases_ms"] for name, r in results.items() if r.get("phases_ms")}
+    if phased:
+        print(f"\n{'phases (ms, median)':<22}" + "".join(f"{phase:>11}" for phase in PHASES) + f"{'sum':>9}")
+        for name, spans in phased.items():
+            cells = "".join(f"{spans[phase]:>11.2f}" for phase in PHASES)
+            print(f"{name:<22}{cells}{sum(spans.values()):>9.2f}")
     for goal in goals:
         state = {True: "met", False: "NOT met", None: "n/a"}[goal["met"]]
         ratio = _fmt(goal["ratio"], ".3f")

@@ -79,6 +79,10 @@ def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:
     modes = json.loads(out.read_text())["results"]["tiny"]["modes"]
     assert set(modes) == {"smp_fp16", "16-mixed"}
     assert all(_positive(mode["tokens_per_s"]) for mode in modes.values())
+    # every timed step split into the same phases, so a GPU run can say where one mode loses time to another
+    phases = ("forward", "backward", "unscale", "optimizer", "loop")
+    assert all(set(mode["phases_ms"]) == set(phases) for mode in modes.values())
+    assert all(_positive(mode["phases_ms"]["backward"]) for mode in modes.values())
 
 
 def test_tp_memory_reports_every_layout() -> None:
