@@ -277,17 +277,22 @@ class MasterWeightOptimizer(Optimizer):
 
     def _copy_scaled_grads_and_check(self) -> Tensor | None:
         """The fused fast path: copy the still-scaled half grads into the master grads and decide overflow with
-        one read-only pass; the fused optimizer divides by the scale inside its own kernel, saving the
-        read-modify-write pass of a separate unscale. Returns the scale to hand it, or ``None`` (nothing to
-        unscale: bf16, or some grads missing, which take the ordinary path)."""
-        if self._loss_scaler is None or any(p.grad is None for p in self._half_params):
+        one read-only pass over the half grads (half the bytes of the fp32 copies); the fused optimizer divides by
+        the scale inside its own kernel, saving the read-modify-write pass of a separate unscale. Returns the scale
+        to hand it, or ``None`` (nothing to unscale: bf16, or some grads missing, which take the ordinary path)."""
+        half_grads = [p.grad for p in self._half_params]
+        if self._loss_scaler is None or any(g is None for g in half_grads):
             self.unscale_grads()
             return None
         self._read_half_grads()
-        targets = self._unscale_targets()
-        norms = torch._foreach_norm(targets) if targets else [torch.zeros((), device=self._found_inf.device)]
-        # one fp32 norm per tensor: finite unless some element is inf/NaN (|g| <= 65504, so no false overflow)
-        self._found_inf.copy_(torch.logical_not(torch.isfinite(torch.stack(norms).sum())))
+        own_grads = [p.grad for p in self._own_master_params if p.grad is not None]
+        # fp32 norms, finite unless some element is inf/NaN (|g| <= 65504, so no false overflow); one list per
+        # dtype, as a foreach kernel takes one
+        norms = [n for g in (half_grads, own_grads) if g for n in torch._foreach_norm(g, dtype=torch.float32)]
+        if norms:
+            self._found_inf.copy_(torch.logical_not(torch.isfinite(torch.stack(norms).sum())))
+        else:
+            self._found_inf.zero_()
         self._vote_overflow()
         return self._loss_scaler.scale
 

@@ -233,12 +233,17 @@ def test_overflow_skips_the_step_and_backs_off(name: str, delayed_shift: int) ->
     assert [c - 1 for c in _step_counts(wrapper)] == counts
 
 
-def test_overflow_in_an_fp32_param_grad_skips_the_step() -> None:
+@pytest.mark.parametrize("name", ["sgd_momentum", "adamw_fused"])
+@pytest.mark.parametrize("overflowing", ["half", "fp32"])
+def test_overflow_in_a_half_or_an_fp32_param_grad_skips_the_step(name: str, overflowing: str) -> None:
+    """Either kind of grad counts in the overflow check, on the ordinary path and on the fused one (which checks
+    the half grads and the fp32 ones in two lists)."""
     half = nn.Parameter(torch.ones(2, dtype=torch.float16))
     full = nn.Parameter(torch.ones(2))
-    wrapper = MasterWeightOptimizer(SGD([half, full], lr=0.1), loss_scaler=DynamicLossScaler(init_scale=SCALE))
+    wrapper = MasterWeightOptimizer(OPTIMIZERS[name]([half, full]), loss_scaler=DynamicLossScaler(init_scale=SCALE))
     half.grad = torch.ones(2, dtype=torch.float16)
-    full.grad = torch.tensor([1.0, math.nan])
+    full.grad = torch.ones(2)
+    (half if overflowing == "half" else full).grad[1] = math.inf
     wrapper.step()
     assert wrapper.last_step_skipped()
     assert torch.equal(half.detach(), torch.ones(2, dtype=torch.float16))
