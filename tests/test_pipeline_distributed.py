@@ -159,15 +159,17 @@ def _trainer(strategy, **kwargs) -> pl.Trainer:
 
 
 def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
-    """Train each layout (model name, model kwargs, strategy kwargs[, trainer kwargs]); return losses and the
-    weights this rank owns."""
+    """Train each layout (model name, model kwargs, strategy kwargs[, trainer kwargs, where ``compile_backend``
+    hands ``fit`` the model through ``torch.compile``]); return losses and the weights this rank owns."""
     results = {}
     for name, (model_name, model_kwargs, strategy_kwargs, *trainer_kwargs) in layouts.items():
         torch.manual_seed(0)
         model = MODELS[model_name](**model_kwargs)
         recorder = _Losses()
-        trainer = _trainer(SMPStrategy(**strategy_kwargs), callbacks=[recorder], **(trainer_kwargs or [{}])[0])
-        trainer.fit(model)
+        options = dict(*trainer_kwargs)
+        backend = options.pop("compile_backend", None)
+        trainer = _trainer(SMPStrategy(**strategy_kwargs), callbacks=[recorder], **options)
+        trainer.fit(torch.compile(model, backend=backend) if backend else model)
         optimizer = trainer.strategy.optimizers[0]
         owned = trainer.strategy.pipeline.owned_parameter_names()
         results[name] = {
@@ -176,6 +178,7 @@ def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
             "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items() if k in owned},
             "skipped": getattr(optimizer, "skipped_steps", torch.zeros(())).item(),
             "scale": getattr(optimizer, "loss_scale", None),
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # compiled so far in this rank
         }
     return results
 
@@ -421,6 +424,8 @@ LAYOUTS_2 = {
     "gpt_fp16_clip": ("gpt", {}, {**PP2, **FP16}, {"gradient_clip_val": CLIP}),
     "gpt_fp32_clip": ("gpt", {}, PP2, {"gradient_clip_val": CLIP}),
     "gpt_virtual": ("gpt", {}, {**PP2, "virtual_stages": 2}),  # chunks of one block: stage 0 runs blocks 0 and 2
+    # `fit(torch.compile(model))`: Lightning compiles training_step, which the schedule runs per microbatch
+    "gpt_compiled": ("gpt", {}, PP2, {"compile_backend": "aot_eager"}),
 }
 
 
@@ -446,6 +451,12 @@ def test_pp2_gpt_with_tied_head_matches_one_process(two_ranks, name):
 @pytest.mark.timeout(300)
 def test_pp2_with_two_virtual_stages_per_rank_matches_one_process(two_ranks):
     _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], "gpt_virtual")
+
+
+@pytest.mark.timeout(300)
+def test_pp2_compiled_model_matches_one_process(two_ranks):
+    assert all(r["layouts"]["gpt_compiled"]["graphs"] > 0 for r in two_ranks)  # it really ran compiled
+    _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], "gpt_compiled")
 
 
 @pytest.mark.timeout(300)

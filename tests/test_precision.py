@@ -276,6 +276,48 @@ def test_checkpoint_resume_continues_bit_identically(tmp_path):
     assert got.param_groups[0]["lr"] == expected.param_groups[0]["lr"]
 
 
+# -- torch.compile -------------------------------------------------------------------------------------------------
+
+
+class _CompilesItsNet(TinyRegressor):
+    """Compiles its network in ``configure_model``, the way docs/concepts.md recommends."""
+
+    def __init__(self, backend, **kwargs):
+        super().__init__(**kwargs)
+        self._backend = backend
+
+    def configure_model(self):
+        if not isinstance(self.net, torch._dynamo.eval_frame.OptimizedModule):
+            self.net = torch.compile(self.net, backend=self._backend)
+
+
+def _fp16_losses_and_skips(model, fitted=None):
+    trainer = _trainer(_fp16(dynamic_loss_args={"init_scale": 2.0**20}), max_epochs=2)
+    trainer.fit(fitted if fitted is not None else model)
+    return model.losses, trainer.strategy.optimizers[0].skipped_steps.item()
+
+
+@pytest.mark.parametrize(
+    ("how", "backend"), [("configure_model", "aot_eager"), ("configure_model", "inductor"), ("fit", "aot_eager")]
+)
+def test_a_compiled_model_trains_like_the_eager_one(how, backend):
+    """torch.compile of the network in ``configure_model``, or of the whole LightningModule handed to ``fit``
+    (Lightning compiles its steps then): the fp16 masters, the loss scale and the skipped steps work unchanged."""
+    torch.manual_seed(0)
+    eager = _fp16_losses_and_skips(TinyRegressor(optimizer=_adam))
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    if how == "configure_model":
+        compiled = _fp16_losses_and_skips(_CompilesItsNet(backend, optimizer=_adam))
+    else:
+        model = TinyRegressor(optimizer=_adam)
+        compiled = _fp16_losses_and_skips(model, torch.compile(model, backend=backend))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # it really ran compiled
+    assert compiled[1] == eager[1] > 0  # the same overflow-skipped steps, and there were some
+    # aot_eager runs the same kernels as eager; inductor fuses them and may round the fp16 values differently
+    assert compiled[0] == pytest.approx(eager[0], rel=0 if backend == "aot_eager" else 1e-2)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fp16_fit_on_cuda_matches_the_cpu_run():
