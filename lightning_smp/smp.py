@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_smp import activation_checkpointing as _activation_checkpointing
 from lightning_smp import checkpoint as _checkpoint
 from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
@@ -60,6 +61,7 @@ __all__ = [
     "rdp_size",
     "resume_from_checkpoint",
     "save_checkpoint",
+    "set_activation_checkpointing",
     "set_partition",
     "set_tensor_parallelism",
     "size",
@@ -292,6 +294,18 @@ def partition(index: int) -> contextlib.AbstractContextManager[None]:
 def set_partition(module: torch.nn.Module, index: int) -> None:
     """smp's ``smp.set_partition(module, i)``: run ``module`` (a child of the pipelined trunk) on stage ``i``."""
     _placement.set_partition(module, index)
+
+
+# -- memory --------------------------------------------------------------------------------------------------------
+
+
+def set_activation_checkpointing(
+    module: torch.nn.Module, preserve_rng_state: bool = True, pack_args_as_tuple: bool = False, strategy: str = "each"
+) -> None:
+    """smp's ``smp.set_activation_checkpointing``: ``module`` recomputes its forward in backward instead of keeping
+    its activations; for an ``nn.Sequential``, ``strategy`` ("each", "group_N", "contiguous") groups its children.
+    Works before the run starts, e.g. in ``__init__``; applied when the strategy sets the model up."""
+    _activation_checkpointing.set_activation_checkpointing(module, preserve_rng_state, pack_args_as_tuple, strategy)
 
 
 # -- optimizer -----------------------------------------------------------------------------------------------

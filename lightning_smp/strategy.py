@@ -39,13 +39,14 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
+from lightning_smp import activation_checkpointing, fault_tolerance, tensor_parallel
 from lightning_smp import checkpoint as checkpointing
-from lightning_smp import fault_tolerance, tensor_parallel
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
 from lightning_smp.config import SMPConfig
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine, build_engine
+from lightning_smp.pipeline.partition import find_trunk
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.topology import Topology
 
@@ -239,10 +240,17 @@ class SMPStrategy(DDPStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard the model over this rank's tensor-parallel group and keep this rank's pipeline stage."""
-        model = tensor_parallel.parallelize(model, topology=self.topology, config=self._config)
-        if self._config.pipeline_parallel_degree > 1 and (self._pipeline is None or self._pipeline.module is not model):
-            self._pipeline = build_engine(model, topology=self.topology, config=self._config)
+        """Shard the model over this rank's tensor-parallel group, checkpoint the modules marked for it, and keep
+        this rank's pipeline stage (in this order: see `activation_checkpointing`)."""
+        config = self._config
+        model = tensor_parallel.parallelize(model, topology=self.topology, config=config)
+        builds_pipeline = config.pipeline_parallel_degree > 1 and (
+            self._pipeline is None or self._pipeline.module is not model
+        )
+        trunk = find_trunk(model, config.pipeline_module)[1] if builds_pipeline else None
+        activation_checkpointing.apply(model, pipelined_trunk=trunk)
+        if builds_pipeline:
+            self._pipeline = build_engine(model, topology=self.topology, config=config)
         return model
 
     @property

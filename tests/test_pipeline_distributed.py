@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_smp import SMPStrategy
+from lightning_smp import SMPStrategy, smp
 from lightning_smp.loss_scaler import DynamicLossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer
 from tests.distributed import run_distributed
@@ -47,13 +47,24 @@ class Block(nn.Module):
 
 
 class TinyGPT(pl.LightningModule):
-    """Token + position embeddings before a ModuleList trunk, a final norm and a head tied to the embedding."""
+    """Token + position embeddings before a ModuleList trunk, a final norm and a head tied to the embedding;
+    ``checkpoint``: the trunk's activation-checkpointing strategy, if any."""
 
-    def __init__(self, *, lr: float = 0.05, optimizer: str = "sgd", batch_size: int = 8, samples: int = 80) -> None:
+    def __init__(
+        self,
+        *,
+        lr: float = 0.05,
+        optimizer: str = "sgd",
+        batch_size: int = 8,
+        samples: int = 80,
+        checkpoint: str | None = None,
+    ) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.wpe = nn.Embedding(SEQ, WIDTH)
         self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        if checkpoint:
+            smp.set_activation_checkpointing(self.blocks, strategy=checkpoint)
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         self.head.weight = self.wte.weight
@@ -103,9 +114,10 @@ class TinyGPT(pl.LightningModule):
 
 
 class TinyCNN(pl.LightningModule):
-    """The whole model is one nn.Sequential: the trunk, with nothing before or after it."""
+    """The whole model is one nn.Sequential: the trunk, with nothing before or after it; ``checkpoint``: the
+    trunk's activation-checkpointing strategy, if any."""
 
-    def __init__(self, *, batch_size: int = 8, samples: int = 80) -> None:
+    def __init__(self, *, batch_size: int = 8, samples: int = 80, checkpoint: str | None = None) -> None:
         super().__init__()
         self.net = nn.Sequential(
             nn.Conv2d(1, 4, 3, padding=1),
@@ -118,6 +130,8 @@ class TinyCNN(pl.LightningModule):
             nn.Flatten(),
             nn.Linear(8 * 4 * 4, 10),
         )
+        if checkpoint:
+            smp.set_activation_checkpointing(self.net, strategy=checkpoint)
         self.batch_size = batch_size
         generator = torch.Generator().manual_seed(2)
         self.data = TensorDataset(
@@ -426,6 +440,9 @@ LAYOUTS_2 = {
     "gpt_virtual": ("gpt", {}, {**PP2, "virtual_stages": 2}),  # chunks of one block: stage 0 runs blocks 0 and 2
     # `fit(torch.compile(model))`: Lightning compiles training_step, which the schedule runs per microbatch
     "gpt_compiled": ("gpt", {}, PP2, {"compile_backend": "aot_eager"}),
+    # recomputed in backward: a stage's checkpointed first child replays the activation it received
+    "gpt_checkpointed": ("gpt", {"checkpoint": "each"}, PP2),
+    "cnn_checkpointed": ("cnn", {"checkpoint": "contiguous"}, PP2),  # on the trunk: child by child, with a warning
 }
 
 
@@ -451,6 +468,12 @@ def test_pp2_gpt_with_tied_head_matches_one_process(two_ranks, name):
 @pytest.mark.timeout(300)
 def test_pp2_with_two_virtual_stages_per_rank_matches_one_process(two_ranks):
     _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], "gpt_virtual")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_pp2_activation_checkpointed_trunk_matches_one_process(two_ranks, name):
+    _check_against(_reference(name, {}), [r["layouts"] for r in two_ranks], f"{name}_checkpointed")
 
 
 @pytest.mark.timeout(300)

@@ -214,6 +214,7 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
         init_gloo()  # the Trainers below find and keep this default group
         results["layers"] = layers.check_layers()
         results["dropout"] = layers.check_dropout()
+        results["checkpointed_dropout"] = layers.check_checkpointed_dropout()
     for tp, everything in layouts:
         dp = world // tp
         batch, key, degree = GLOBAL_BATCH // dp, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}

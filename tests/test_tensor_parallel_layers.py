@@ -16,7 +16,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_smp import activation_checkpointing
 from lightning_smp import topology as topology_builder
+from lightning_smp.activation_checkpointing import set_activation_checkpointing
 from lightning_smp.config import SMPConfig
 from lightning_smp.tensor_parallel import (
     ColumnParallelLinear,
@@ -295,6 +297,28 @@ def _dropout_streams() -> dict:
     }
 
 
+def check_checkpointed_dropout() -> dict:
+    """A checkpointed split layer with dropout recomputes the same masks in backward, the sharded-region stream
+    included (torch.utils.checkpoint replays only the default generator): its grads equal the plain layer's."""
+    world = dist.get_world_size()
+    topology = topology_builder.build(dp=1, pp=1, tp=world, order="DPT", device_type="cpu")
+    config = SMPConfig(tensor_parallel_degree=world, tensor_parallel_seed=7)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(5)
+        with scope(True, {}):
+            layer = nn.TransformerEncoderLayer(D, HEADS, 4 * D, dropout=0.5, batch_first=True)
+        parallelize(layer, topology=topology, config=config)
+        if checkpointed:
+            set_activation_checkpointing(layer)
+            activation_checkpointing.apply(layer)
+        x = torch.ones(B, T, D, requires_grad=True)
+        for _ in range(2):  # the second step starts from streams the first one advanced
+            layer(x).square().sum().backward()
+        grads.append([x.grad, *(p.grad for p in layer.parameters())])
+    return {"equal": all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), "count": len(grads[0])}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_layers_match_the_whole_layer(world):
@@ -311,3 +335,9 @@ def test_dropout_is_replicated_where_activations_are_and_independent_where_they_
         assert result["replicated_equal"] and result["steps_differ"] and result["sharded_masks_differ"]
         assert result["reproducible"]
     assert torch.equal(results[0]["default_state"], results[1]["default_state"])
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpointed_split_layer_replays_its_dropout_masks():
+    for result in (rank["checkpointed_dropout"] for rank in launch(2)):
+        assert result["equal"] and result["count"] > 8

@@ -1,0 +1,177 @@
+"""Activation checkpointing: smp's ``set_activation_checkpointing``, applied when the strategy sets the model up.
+
+A checkpointed module keeps only its inputs from the forward pass and runs its forward again during backward to
+rebuild the activations its gradients need: compute traded for memory, the usual trade for large models. Built on
+``torch.utils.checkpoint`` in its non-reentrant form, which takes keyword and nested arguments as they are (smp's
+``pack_args_as_tuple`` is accepted and not needed). The recomputation draws the same random numbers as the
+forward did: from the default generators (``preserve_rng_state``) and from the tensor-parallel dropout stream,
+which ``torch.utils.checkpoint`` does not know about.
+
+`set_activation_checkpointing` only marks a module (call it in ``__init__`` or ``configure_model``); `apply` wraps
+the marked modules' forwards at setup, after tensor parallelism has converted its layers (it swaps their class in
+place, which a forward wrapped earlier would bypass) and before the pipeline routes the trunk's children (so a
+checkpointed child saves the activation its stage received, not the one it would have computed).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lightning_smp.tensor_parallel.base import TensorParallelModule
+from lightning_smp.tensor_parallel.rng import TensorParallelRNG
+
+__all__ = ["apply", "set_activation_checkpointing"]
+
+_REQUEST = "_smp_activation_checkpointing"
+
+
+@dataclass
+class _Request:
+    preserve_rng_state: bool
+    group_size: int | None  # children per checkpoint of an nn.Sequential: 1 ("each"), N ("group_N"), all (None)
+    strategy: str
+    applied: bool = False
+
+
+def set_activation_checkpointing(
+    module: nn.Module, preserve_rng_state: bool = True, pack_args_as_tuple: bool = False, strategy: str = "each"
+) -> None:
+    """smp's ``smp.set_activation_checkpointing``: recompute ``module``'s forward in backward instead of keeping
+    its activations.
+
+    For an ``nn.Sequential`` (or an ``nn.ModuleList``), ``strategy`` says what one checkpoint spans: "each" child,
+    "group_N" (N consecutive children) or the "contiguous" children (all of them; on a pipelined trunk, smp meant
+    those of one stage). ``pack_args_as_tuple`` is accepted for smp code; non-reentrant checkpointing needs no
+    packing.
+    """
+    if not isinstance(module, nn.Module):
+        raise ValueError(
+            f"smp.set_activation_checkpointing takes an nn.Module, got {type(module).__name__}; pass the layer "
+            "(or the nn.Sequential of layers) whose activations it should recompute."
+        )
+    object.__setattr__(module, _REQUEST, _Request(preserve_rng_state, _group_size(strategy), strategy))
+
+
+def apply(model: nn.Module, *, pipelined_trunk: nn.Module | None = None) -> None:
+    """Wrap the forward of every module of ``model`` marked by `set_activation_checkpointing` (once each).
+
+    ``pipelined_trunk`` is the container the pipeline will split: its children are checkpointed one by one, as
+    each stage runs only its own.
+    """
+    for name, module in model.named_modules():
+        request = module.__dict__.get(_REQUEST)
+        if request is None or request.applied:
+            continue
+        request.applied = True
+        if not isinstance(module, nn.Sequential | nn.ModuleList):
+            _checkpoint_forward(module, request)
+            continue
+        if request.group_size != 1 and (module is pipelined_trunk or isinstance(module, nn.ModuleList)):
+            why = "the pipelined trunk" if module is pipelined_trunk else "an nn.ModuleList, which has no forward"
+            label = name or type(module).__name__
+            rank_zero_warn(
+                f"smp.set_activation_checkpointing({label}, strategy={request.strategy!r}): {label} is {why}, so "
+                "lightning_smp checkpoints each of its children on its own. The gradients are the same; each "
+                "child's input is kept instead of one per group. Pass strategy='each' to silence this."
+            )
+            request.group_size = 1
+        if request.group_size == 1:
+            for child in module.children():
+                _checkpoint_forward(child, request)
+        else:
+            _checkpoint_groups(module, request)
+
+
+def _group_size(strategy: str) -> int | None:
+    if strategy == "each":
+        return 1
+    if strategy == "contiguous":
+        return None
+    match = re.fullmatch(r"group_([1-9][0-9]*)", strategy) if isinstance(strategy, str) else None
+    if match is None:
+        raise ValueError(
+            f"smp.set_activation_checkpointing(strategy={strategy!r}) is not a strategy; use 'each' (every child "
+            "its own checkpoint), 'group_N' with N >= 1 (N consecutive children per checkpoint, e.g. 'group_2') "
+            "or 'contiguous' (all children in one)."
+        )
+    return int(match[1])
+
+
+def _checkpoint_forward(module: nn.Module, request: _Request) -> None:
+    module.forward = _Checkpointed(module.forward, request.preserve_rng_state, _tensor_parallel_streams(module))
+
+
+def _checkpoint_groups(sequential: nn.Sequential, request: _Request) -> None:
+    children = list(sequential)
+    size = request.group_size or len(children)
+    streams = _tensor_parallel_streams(sequential)
+    runs = [
+        _Checkpointed(partial(_run_in_order, children[start : start + size]), request.preserve_rng_state, streams)
+        for start in range(0, len(children), size)
+    ]
+    sequential.forward = partial(_run_in_order, runs)
+
+
+def _run_in_order(steps: Sequence[Callable[[Any], Any]], input: Any) -> Any:
+    for step in steps:
+        input = step(input)
+    return input
+
+
+def _tensor_parallel_streams(module: nn.Module) -> list[TensorParallelRNG]:
+    """The dropout streams of the tensor-parallel layers inside ``module`` (one per `parallelize` call)."""
+    streams = {}
+    for layer in module.modules():
+        if isinstance(layer, TensorParallelModule) and layer.tp_distributed:
+            streams[id(layer._tp.rng)] = layer._tp.rng
+    return list(streams.values())
+
+
+class _Checkpointed:
+    """A forward run under ``torch.utils.checkpoint`` while autograd records; as it is otherwise (evaluation)."""
+
+    def __init__(self, forward: Callable[..., Any], preserve_rng_state: bool, streams: list[TensorParallelRNG]):
+        self._forward = forward
+        self._preserve_rng_state = preserve_rng_state
+        self._streams = streams
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self._forward(*args, **kwargs)
+        return checkpoint(
+            self._forward,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=self._preserve_rng_state,
+            context_fn=self._contexts,
+            **kwargs,
+        )
+
+    def _contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        """Called at the forward: nothing around it; the recomputation replays the tensor-parallel streams."""
+        if not (self._streams and self._preserve_rng_state):
+            return nullcontext(), nullcontext()
+        return nullcontext(), _replaying(self._streams, [stream.state_dict() for stream in self._streams])
+
+
+@contextmanager
+def _replaying(streams: list[TensorParallelRNG], at_forward: list[dict[str, Any]]) -> Generator[None, None, None]:
+    """Rewind ``streams`` to their state at the forward for the recomputation, then put them back."""
+    now = [stream.state_dict() for stream in streams]
+    for stream, state in zip(streams, at_forward, strict=True):
+        stream.load_state_dict(state)
+    try:
+        yield
+    finally:
+        for stream, state in zip(streams, now, strict=True):
+            stream.load_state_dict(state)
