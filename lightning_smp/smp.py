@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +33,18 @@ if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
 __all__ = [
+    "DP_GROUP",
+    "MP_GROUP",
+    "PP_GROUP",
+    "RDP_GROUP",
+    "TP_GROUP",
+    "WORLD",
+    "CommGroup",
     "DistributedOptimizer",
+    "RankType",
+    "allgather",
     "barrier",
+    "broadcast",
     "dp_barrier",
     "dp_rank",
     "dp_size",
@@ -59,8 +70,10 @@ __all__ = [
     "rdp_barrier",
     "rdp_rank",
     "rdp_size",
+    "recv_from",
     "resume_from_checkpoint",
     "save_checkpoint",
+    "send",
     "set_activation_checkpointing",
     "set_partition",
     "set_tensor_parallelism",
@@ -233,8 +246,9 @@ def get_world_process_group() -> dist.ProcessGroup:
     return _axis_group("world")
 
 
-def barrier() -> None:
-    _axis_barrier("world")
+def barrier(group: CommGroup | None = None) -> None:
+    """smp's ``smp.barrier(group=smp.WORLD)``: wait for every rank of ``group``."""
+    _axis_barrier("world" if group is None else _axis_of(group, CommGroup, "barrier"))
 
 
 def dp_barrier() -> None:
@@ -255,6 +269,101 @@ def tp_barrier() -> None:
 
 def mp_barrier() -> None:
     _axis_barrier("mp")
+
+
+# -- python objects between ranks --------------------------------------------------------------------------------
+
+
+class CommGroup(Enum):
+    """smp's communication groups, also named ``smp.WORLD``, ``smp.MP_GROUP``, ``smp.DP_GROUP``, ..."""
+
+    WORLD = "world"
+    MP_GROUP = "mp"
+    PP_GROUP = "pp"
+    TP_GROUP = "tp"
+    DP_GROUP = "dp"
+    RDP_GROUP = "rdp"
+
+
+class RankType(Enum):
+    """How smp's ``send`` and ``recv_from`` read a rank: within which group of the calling rank."""
+
+    WORLD_RANK = "world"
+    MP_RANK = "mp"
+    PP_RANK = "pp"
+    TP_RANK = "tp"
+    DP_RANK = "dp"
+    RDP_RANK = "rdp"
+
+
+WORLD, MP_GROUP, PP_GROUP, TP_GROUP, DP_GROUP, RDP_GROUP = CommGroup
+
+
+def broadcast(obj: Any, group: CommGroup) -> None:
+    """smp's ``smp.broadcast``: send the picklable ``obj`` to every other rank of ``group``, each of which takes it
+    with ``smp.recv_from(<this rank in the group>, <the group's RankType>)`` (point to point, not a collective)."""
+    process_group = _objects_group(_axis_of(group, CommGroup, "broadcast"), "broadcast")
+    me = dist.get_rank()
+    for peer in dist.get_process_group_ranks(process_group):
+        if peer != me:
+            dist.send_object_list([obj], dst=peer, group=process_group)
+
+
+def send(obj: Any, dest_rank: int, rank_type: RankType) -> None:
+    """smp's ``smp.send``: send the picklable ``obj`` to the rank ``dest_rank`` of ``rank_type``'s group; it
+    takes it with ``smp.recv_from``."""
+    process_group, peer = _peer(dest_rank, rank_type, "send")
+    dist.send_object_list([obj], dst=peer, group=process_group)
+
+
+def recv_from(src_rank: int, rank_type: RankType) -> Any:
+    """smp's ``smp.recv_from``: the object rank ``src_rank`` of ``rank_type``'s group sent with ``smp.send`` or
+    ``smp.broadcast``."""
+    process_group, peer = _peer(src_rank, rank_type, "recv_from")
+    received: list[Any] = [None]
+    dist.recv_object_list(received, src=peer, group=process_group)
+    return received[0]
+
+
+def allgather(obj: Any, group: CommGroup) -> list[Any]:
+    """smp's ``smp.allgather``: every rank of ``group`` passes an object; each gets the list of them, in the
+    group's rank order (a collective: every rank of the group calls it)."""
+    process_group = _objects_group(_axis_of(group, CommGroup, "allgather"), "allgather")
+    gathered: list[Any] = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(gathered, obj, group=process_group)
+    return gathered
+
+
+def _axis_of(value: Any, kind: type[Enum], caller: str) -> str:
+    if not isinstance(value, kind):
+        example = "smp.CommGroup.PP_GROUP (or smp.PP_GROUP)" if kind is CommGroup else "smp.RankType.PP_RANK"
+        raise ValueError(
+            f"smp.{caller} takes an smp.{kind.__name__}, e.g. {example}; got {value!r}. Pass one of its members: "
+            f"{', '.join(member.name for member in kind)}."
+        )
+    return value.value
+
+
+def _objects_group(smp_axis: str, caller: str) -> dist.ProcessGroup:
+    return _run(caller).topology.group(_AXES[smp_axis])
+
+
+def _peer(rank_in_group: int, rank_type: RankType, caller: str) -> tuple[dist.ProcessGroup, int]:
+    """The process group of ``rank_type`` holding this rank, and the global rank of its member ``rank_in_group``."""
+    process_group = _objects_group(_axis_of(rank_type, RankType, caller), caller)
+    size = dist.get_world_size(process_group)
+    if not isinstance(rank_in_group, int) or not 0 <= rank_in_group < size:
+        raise ValueError(
+            f"smp.{caller}: rank {rank_in_group!r} is not in this rank's {rank_type.name} group, which has ranks "
+            f"0..{size - 1}; pass a rank within it (smp.{rank_type.value}_rank() numbers them)."
+        )
+    peer = dist.get_global_rank(process_group, rank_in_group)
+    if peer == dist.get_rank():
+        raise ValueError(
+            f"smp.{caller}: rank {rank_in_group} of the {rank_type.name} group is this rank itself; pass another "
+            "rank of the group."
+        )
+    return process_group, peer
 
 
 # -- model creation ------------------------------------------------------------------------------------------

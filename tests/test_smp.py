@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_smp import smp
+from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, mlp, quiet_trainer, random_dataset
 
@@ -15,7 +15,7 @@ _GROUP_GETTERS = tuple(f"get_{axis}_process_group" for axis in ("dp", "rdp", "pp
 _BARRIERS = ("barrier", "dp_barrier", "rdp_barrier", "pp_barrier", "tp_barrier", "mp_barrier")
 
 
-def _trainer(strategy: str = "smp", devices: int = 1, **kwargs) -> pl.Trainer:
+def _trainer(strategy: str | SMPStrategy = "smp", devices: int = 1, **kwargs) -> pl.Trainer:
     return quiet_trainer(strategy, devices=devices, **kwargs)
 
 
@@ -94,6 +94,47 @@ def test_facade_inside_a_one_process_run(strategy, fp16, bf16):
     assert not smp.state.initialized
     with pytest.raises(RuntimeError, match="needs a running SMPStrategy"):
         smp.tp_size()
+
+
+class _ObjectsProbe(TinyRegressor):
+    """Runs ``exchange`` in configure_model (the facade is live, the groups exist) and keeps what it returned."""
+
+    def __init__(self, exchange) -> None:
+        super().__init__()
+        self._exchange = exchange
+        self.exchanged: dict | None = None
+
+    def configure_model(self) -> None:
+        self.exchanged = self._exchange()
+
+
+def _misuses() -> dict:
+    """Each wrong call of the object primitives in a one-process run, and what it raised."""
+    calls = {
+        "to_itself": lambda: smp.send("x", 0, smp.RankType.WORLD_RANK),
+        "outside_group": lambda: smp.recv_from(3, smp.RankType.PP_RANK),
+        "group_as_string": lambda: smp.allgather(1, "world"),
+        "rank_type_for_group": lambda: smp.broadcast(1, smp.RankType.WORLD_RANK),
+    }
+    raised = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as error:
+            raised[name] = str(error)
+    raised["alone"] = smp.allgather({"a": 1}, smp.WORLD)
+    return raised
+
+
+def test_object_primitives_refuse_wrong_ranks_and_groups_with_the_fix():
+    model = _ObjectsProbe(_misuses)
+    _trainer(max_steps=1).fit(model)
+    raised = model.exchanged
+    assert "rank 0 of the WORLD_RANK group is this rank itself; pass another rank" in raised["to_itself"]
+    assert "rank 3 is not in this rank's PP_RANK group, which has ranks 0..0" in raised["outside_group"]
+    assert "smp.allgather takes an smp.CommGroup, e.g. smp.CommGroup.PP_GROUP" in raised["group_as_string"]
+    assert "smp.broadcast takes an smp.CommGroup" in raised["rank_type_for_group"]
+    assert raised["alone"] == [{"a": 1}]
 
 
 class _Failing(TinyRegressor):
@@ -213,6 +254,42 @@ def _two_rank_facade(rank: int) -> dict:
     answers = model.in_training_step
     answers["initialized_after_fit"] = smp.state.initialized
     return answers
+
+
+def _exchange_between_stages() -> dict:
+    """smp's object primitives as its GPT example uses them (stage 0 tells stage 1 its loader's length)."""
+    out = {
+        "world": smp.allgather(smp.rank(), smp.WORLD),
+        "pp": smp.allgather({"pp_rank": smp.pp_rank()}, smp.CommGroup.PP_GROUP),
+        "dp": smp.allgather(smp.rank(), smp.DP_GROUP),  # one rank per group with pp=2 on 2 ranks
+    }
+    if smp.pp_rank() == 0:
+        smp.broadcast(("batches", 7), smp.PP_GROUP)
+        smp.send(torch.arange(3), 1, smp.RankType.PP_RANK)
+        out["received"] = smp.recv_from(1, smp.RankType.WORLD_RANK)
+    else:
+        out["received"] = (smp.recv_from(0, smp.RankType.PP_RANK), smp.recv_from(0, smp.RankType.MP_RANK))
+        smp.send("thanks", 0, smp.RankType.WORLD_RANK)
+    smp.barrier(smp.MP_GROUP)
+    return out
+
+
+def _two_stage_objects(rank: int) -> dict:
+    model = _ObjectsProbe(_exchange_between_stages)
+    _trainer(SMPStrategy(pipeline_parallel_degree=2), devices=2, max_steps=1).fit(model)
+    return model.exchanged
+
+
+@pytest.mark.timeout(120)
+def test_object_primitives_between_two_pipeline_stages():
+    first, second = run_distributed(_two_stage_objects, 2, timeout=100)
+    for out in (first, second):
+        assert out["world"] == [0, 1]
+        assert out["pp"] == [{"pp_rank": 0}, {"pp_rank": 1}]
+    assert (first["dp"], second["dp"]) == ([0], [1])
+    assert first["received"] == "thanks"
+    assert second["received"][0] == ("batches", 7)
+    assert torch.equal(second["received"][1], torch.arange(3))
 
 
 @pytest.mark.timeout(120)
