@@ -40,6 +40,7 @@ __all__ = [
     "TP_GROUP",
     "WORLD",
     "CommGroup",
+    "DistributedModel",
     "DistributedOptimizer",
     "RankType",
     "allgather",
@@ -79,6 +80,7 @@ __all__ = [
     "set_tensor_parallelism",
     "size",
     "state",
+    "step",
     "tensor_parallelism",
     "tp_barrier",
     "tp_rank",
@@ -143,6 +145,24 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         "smp.init() is not needed with lightning_smp: pass the same parameters to the strategy instead, e.g. "
         "Trainer(strategy=lightning_smp.SMPStrategy.from_smp_options(smp_options)) or "
         "SMPStrategy(pipeline_parallel_degree=..., microbatches=...), and remove the smp.init() call."
+    )
+
+
+def DistributedModel(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """smp wrapped the model itself; under Lightning the strategy wraps the LightningModule."""
+    raise RuntimeError(
+        "smp.DistributedModel(...) is not needed with lightning_smp: SMPStrategy splits and wraps the "
+        "LightningModule's layers when training starts. Build the model in the LightningModule (in `configure_model`, "
+        "under smp.model_creation(...) if you used it) and remove the smp.DistributedModel call."
+    )
+
+
+def step(function: Any = None, **kwargs: Any) -> Any:
+    """smp's ``@smp.step`` ran its body per microbatch; ``training_step`` does that under lightning_smp."""
+    raise RuntimeError(
+        "@smp.step is not needed with lightning_smp: put the step's body in the LightningModule's training_step "
+        "(and validation_step / test_step), which runs once per microbatch on every rank as @smp.step did, and "
+        "return the loss instead of calling model.backward(loss)."
     )
 
 

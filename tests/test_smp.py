@@ -72,6 +72,16 @@ def test_init_points_to_the_strategy():
         smp.init({"pipeline_parallel_degree": 1})
 
 
+def test_distributed_model_and_step_say_what_replaces_them():
+    with pytest.raises(RuntimeError, match=r"SMPStrategy splits and wraps the LightningModule's layers"):
+        smp.DistributedModel(mlp())
+    with pytest.raises(RuntimeError, match=r"put the step's body in the LightningModule's training_step"):
+
+        @smp.step
+        def train_step(model, data):
+            return model(data)
+
+
 # ---------------------------------------------------------------- one process
 
 
