@@ -19,6 +19,7 @@ parallelism splits them. The flags map one-to-one onto `SMPStrategy`:
     python examples/gpt_char.py --tp 2                       # tensor_parallel_degree=2 (devices = pp * tp * dp)
     python examples/gpt_char.py --pp 2 --microbatches 4      # pipeline_parallel_degree=2, 4 microbatches
     python examples/gpt_char.py --pp 2 --tp 2 --devices 8    # pp x tp x dp = 2 x 2 x 2
+    python examples/gpt_char.py --activation-checkpointing   # recompute activations in backward: less memory
 
 The progress bar shows ``train_loss`` and, in fp16, ``loss_scale``. The same LightningModule and DataModule run
 from the command line through ``lightning-smp fit --config examples/configs/dp.yaml`` (see examples/configs/).
@@ -166,6 +167,8 @@ class GPTCharLM(L.LightningModule):
         d_model: width (divisible by ``n_head``).
         block_size: longest context; the data's ``block_size`` must not exceed it.
         lr: AdamW learning rate.
+        activation_checkpointing: recompute each layer's activations in backward instead of keeping them
+            (``smp.set_activation_checkpointing`` on the trunk).
     """
 
     def __init__(
@@ -177,6 +180,7 @@ class GPTCharLM(L.LightningModule):
         dropout: float = 0.0,
         lr: float = 1e-2,
         weight_decay: float = 0.01,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -189,6 +193,8 @@ class GPTCharLM(L.LightningModule):
         dtype = torch.float16 if smp.state.cfg.fp16 else torch.get_default_dtype()
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=dtype):
             self.model = GPT(hp.n_layer, hp.n_head, hp.d_model, hp.block_size, hp.dropout)
+        if hp.activation_checkpointing:
+            smp.set_activation_checkpointing(self.model.blocks)  # each layer its own checkpoint
 
     def forward(self, idx: Tensor) -> Tensor:
         assert self.model is not None
@@ -232,6 +238,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val-every", type=int, default=100, help="validate every this many steps")
     parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel replica")
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute layer activations in backward (less memory)"
+    )
     parser.add_argument("--num-files", type=int, default=60, help="standard-library files to read")
     parser.add_argument("--seed", type=int, default=1)
     return parser.parse_args(argv)
@@ -266,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         enable_model_summary=False,
     )
     data = StdlibCharData(batch_size=args.batch_size, num_files=args.num_files)
-    trainer.fit(GPTCharLM(n_layer=args.layers), datamodule=data)
+    trainer.fit(GPTCharLM(n_layer=args.layers, activation_checkpointing=args.activation_checkpointing), datamodule=data)
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
         print(f"final val_loss={metrics['val_loss']:.4f} nats/char (target <= {TARGET_VAL_LOSS})")

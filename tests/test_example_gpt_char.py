@@ -27,6 +27,13 @@ def test_fp16_shows_the_loss_scale_and_skips_the_first_overflowing_steps() -> No
     assert metrics["loss_scale"] < 2.0**32
 
 
+def test_activation_checkpointing_trains_the_same_model() -> None:
+    brief = ["--accelerator", "cpu", "--max-steps", "6", "--val-every", "6", "--batch-size", "4", "--num-files", "3"]
+    plain = gpt_char.main(brief)
+    checkpointed = gpt_char.main([*brief, "--activation-checkpointing"])
+    assert checkpointed["val_loss"] == plain["val_loss"] and checkpointed["train_loss"] == plain["train_loss"]
+
+
 def test_flags_map_onto_the_strategy() -> None:
     args = gpt_char.parse_args(["--pp", "2", "--tp", "2", "--microbatches", "4", "--fp16"])
     config = gpt_char.make_strategy(args).config
