@@ -1,0 +1,25 @@
+"""Keeps one test's in-process fit from leaking into the processes later tests launch.
+
+Lightning writes ``MASTER_ADDR`` and ``MASTER_PORT`` into this process's environment when a strategy sets up its
+process group, and that one-rank group keeps listening on the port after ``fit``. A benchmark or CLI job a later
+test starts inherits the variables and fails to bind the same port (EADDRINUSE). Each test therefore gets the
+launch variables back as they were before it ran.
+"""
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _restore_launch_variables() -> Iterator[None]:
+    before = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
