@@ -16,6 +16,7 @@ checkpointed child saves the activation its stage received, not the one it would
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 __all__ = ["apply", "set_activation_checkpointing"]
 
 _REQUEST = "_smp_activation_checkpointing"
+# Every module `apply` has seen: a mark made on one of them later would never be applied.
+_set_up: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 @dataclass
@@ -59,7 +62,17 @@ def set_activation_checkpointing(
             f"smp.set_activation_checkpointing takes an nn.Module, got {type(module).__name__}; pass the layer "
             "(or the nn.Sequential of layers) whose activations it should recompute."
         )
-    object.__setattr__(module, _REQUEST, _Request(preserve_rng_state, _group_size(strategy), strategy))
+    request = _Request(preserve_rng_state, _group_size(strategy), strategy)
+    if module in _set_up:
+        applied = module.__dict__.get(_REQUEST)
+        if applied is not None and (applied.preserve_rng_state, applied.strategy) == (preserve_rng_state, strategy):
+            return  # the same mark again: Lightning runs configure_model at every fit / validate / test
+        raise RuntimeError(
+            f"smp.set_activation_checkpointing({type(module).__name__}) came after the strategy set the model up, "
+            "so it would change nothing. Call it where the model is built: in the LightningModule's __init__ or "
+            "configure_model."
+        )
+    object.__setattr__(module, _REQUEST, request)
 
 
 def apply(model: nn.Module, *, pipelined_trunk: nn.Module | None = None) -> None:
@@ -68,6 +81,7 @@ def apply(model: nn.Module, *, pipelined_trunk: nn.Module | None = None) -> None
     ``pipelined_trunk`` is the container the pipeline will split: its children are checkpointed one by one, as
     each stage runs only its own.
     """
+    _set_up.update(model.modules())
     for name, module in model.named_modules():
         request = module.__dict__.get(_REQUEST)
         if request is None or request.applied:

@@ -104,6 +104,26 @@ def test_applying_twice_wraps_once():
     assert model.forwards == [2] * DEPTH  # one recomputation, not a checkpoint inside a checkpoint
 
 
+class _MarksTooLate(_Deep):
+    def on_fit_start(self) -> None:
+        smp.set_activation_checkpointing(self.net)
+
+
+def test_a_mark_after_setup_is_refused_instead_of_ignored():
+    with pytest.raises(RuntimeError, match=r"came after the strategy set the model up.*in the LightningModule's"):
+        quiet_trainer(SMPStrategy(), max_steps=1).fit(_MarksTooLate())
+
+
+def test_validate_after_fit_may_mark_the_same_modules_again():
+    model = _Deep("each")  # its configure_model marks net at every fit / validate
+    trainer = quiet_trainer(SMPStrategy(), max_steps=2)
+    trainer.fit(model)
+    trainer.validate(model)
+    model.forwards = [0] * DEPTH
+    model(torch.randn(3, WIDTH)).sum().backward()
+    assert model.forwards == [2] * DEPTH  # still checkpointed once, not twice
+
+
 @pytest.mark.parametrize("strategy", ["every", "group_0", "group_x", 2])
 def test_an_unknown_strategy_is_a_clear_error(strategy):
     with pytest.raises(ValueError, match=r"is not a strategy; use 'each'.*'group_N' with N >= 1.*'contiguous'"):
