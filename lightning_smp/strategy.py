@@ -345,6 +345,27 @@ class SMPStrategy(DDPStrategy):
                 optimizer_.note_backward()
         return self.precision_plugin.post_backward(closure_loss, module)
 
+    @override
+    def on_train_end(self) -> None:
+        self._settle_pipeline()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._settle_pipeline()
+
+    @override
+    def on_test_end(self) -> None:
+        self._settle_pipeline()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._settle_pipeline()
+
+    def _settle_pipeline(self) -> None:
+        """No stage leaves a loop before every stage has its last step's result (see `PipelineEngine.settle`)."""
+        if self._pipeline is not None:
+            self._pipeline.settle()
+
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:

@@ -214,6 +214,15 @@ class PipelineEngine:
         self._run(state)
         return self._share(state)
 
+    def settle(self) -> None:
+        """At the end of a training or evaluation loop: wait for this stage's last sends and meet the other
+        stages. A step's result sends otherwise complete during the next step; after the last one the last stage
+        could leave ``fit`` and exit, closing its connections before the earlier stages have received that step's
+        result (gloo: "Connection closed by peer" on their side)."""
+        if self._transport is not None:
+            self._transport.wait_sends()
+        dist.barrier(group=self._topology.group("pp"))
+
     def finish_backward(self, *, sync: bool) -> bool:
         """Add the gradients of the last pipelined step to ``.grad`` (Lightning's backward call); with ``sync``
         (the last step of an accumulation) reduce them over tied stages and data-parallel replicas. Returns
