@@ -2,11 +2,12 @@
 
 It owns the run's lifecycle and hands each concern to its module: constructor arguments become one `SMPConfig`;
 once the process group exists it builds the `Topology`, activates the `smp` facade, splits the model over the
-tensor-parallel ranks (`tensor_parallel`) and keeps this rank's pipeline stage (`pipeline`), whose engine then runs
-every step; it owns the precision plugin (Lightning would otherwise replace it, see reference/lightning-2.6.md),
-samples data by data-parallel rank, reduces logged values over the replicas, saves and loads sharded checkpoints
-(`checkpoint`), ends every rank on a failure and frees the process groups at exit after a success
-(`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
+tensor-parallel ranks (`tensor_parallel`), wraps the modules marked for activation checkpointing
+(`activation_checkpointing`) and keeps this rank's pipeline stage (`pipeline`), whose engine then runs every step
+and settles the stages at the end of each loop; it owns the precision plugin (Lightning would otherwise replace
+it, see reference/lightning-2.6.md), samples data by data-parallel rank, reduces logged values over the replicas,
+saves and loads sharded checkpoints (`checkpoint`), ends every rank on a failure and frees the process groups at
+exit after a success (`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
 backward-overlapped gradient all-reduce are DDP's; with one replica, or under pipeline parallelism (whose engine
 all-reduces itself), it skips the DDP wrapper.
 """
