@@ -294,8 +294,9 @@ class _MetricGPT(TinyGPT):
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.train_acc = MulticlassAccuracy(VOCAB, average="micro")  # per step: the mean over equal microbatches
-        self.val_acc = MulticlassAccuracy(VOCAB, average="micro")
+        # macro: the mean over microbatches of their values is not the batch's value; the step value must be
+        self.train_acc = MulticlassAccuracy(VOCAB, average="macro")
+        self.val_acc = MulticlassAccuracy(VOCAB, average="macro")
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         logits = self(batch[:, :-1])

@@ -134,6 +134,7 @@ class _Step:
     outputs: dict[int, Any] = field(default_factory=dict)
     logs: dict[int, list[tuple[str, Any, dict[str, Any]]]] = field(default_factory=dict)
     metric_logs: dict[int, dict[str, tuple[Metric, Tensor | None, dict[str, Any]]]] = field(default_factory=dict)
+    metric_inputs: dict[int, dict[int, list[tuple[tuple, dict]]]] = field(default_factory=dict)
 
 
 class PipelineEngine:
@@ -163,6 +164,8 @@ class PipelineEngine:
         self._outside_checked = False
         self._outside_owner: dict[str, int] = {}
         self._metric_paths: dict[int, str] = {}
+        self._module_metrics: list[Metric] | None = None
+        self._step_copies: dict[int, Metric] = {}  # per logged metric: a copy that sees one step's inputs
 
     @property
     def plan(self) -> PartitionPlan:
@@ -275,7 +278,7 @@ class PipelineEngine:
             received, leaves = transport.recv_activation(
                 src=transport.peer(-1), requires_grad=state.training, tag=2 * (chunk - 1)
             )
-        capture = _LogCapture(self._module)
+        capture = _LogCapture(self._module, self._metrics() if is_last else ())
         exited = False
         with self._router.run(chunk, received) as call, capture:
             try:
@@ -291,6 +294,7 @@ class PipelineEngine:
             state.outputs[index] = _detach(output)  # the loss keeps its graph in `live` until its backward
             state.logs[index] = capture.calls
             state.metric_logs[index] = capture.metrics
+            state.metric_inputs[index] = capture.metric_inputs
             if state.training:
                 state.live[(index, chunk)] = _Live(leaves, loss=_loss_of(output))
             return
@@ -333,7 +337,9 @@ class PipelineEngine:
             package = (
                 merge_outputs([state.outputs[i] for i in indices]),
                 _reduce_logs([state.logs[i] for i in indices]),
-                self._describe_metrics([state.metric_logs[i] for i in indices]),
+                self._describe_metrics(
+                    [state.metric_logs[i] for i in indices], [state.metric_inputs[i] for i in indices]
+                ),
             )
             for rank in stages[:-1]:
                 transport.send_activation(package, dst=rank, tag=tag)
@@ -354,12 +360,15 @@ class PipelineEngine:
         return merged
 
     def _describe_metrics(
-        self, per_microbatch: Sequence[dict[str, tuple[Metric, Tensor | None, dict[str, Any]]]]
+        self,
+        per_microbatch: Sequence[dict[str, tuple[Metric, Tensor | None, dict[str, Any]]]],
+        inputs: Sequence[dict[int, list[tuple[tuple, dict]]]],
     ) -> dict[str, tuple[str, Tensor | None, dict[str, Any], Tensor, dict[str, Any]]]:
         """For each torchmetrics ``Metric`` logged by the step on the last stage: where it sits in the module, its
-        step value (the mean over microbatches of its per-microbatch values), its state after the step and its
-        update count, so that every stage's copy of it holds the same state (Lightning computes epoch values from
-        the object, on every rank)."""
+        step value, its state after the step and its update count, so that every stage's copy of it holds the same
+        state (Lightning computes epoch values from the object, on every rank). The step value is the metric over
+        all the inputs it was called with in the step, as one device computes it on the whole batch (the mean of
+        the per-microbatch values only for a metric that was logged but never called, e.g. updated directly)."""
         described = {}
         for name in dict.fromkeys(name for calls in per_microbatch for name in calls):
             logged = [calls[name] for calls in per_microbatch if name in calls]
@@ -371,17 +380,45 @@ class PipelineEngine:
                     "attribute of the LightningModule (e.g. `self.train_acc = MulticlassAccuracy(...)` in __init__), "
                     "so that every pipeline stage holds a copy of it."
                 )
-            forwards = [forward for _, forward, _ in logged if isinstance(forward, Tensor)]
-            forward = torch.stack(forwards).float().mean() if forwards else None
+            calls = [call for microbatch in inputs for call in microbatch.get(id(metric), [])]
+            if calls:
+                forward = self._step_value(metric, calls)
+            else:
+                forwards = [forward for _, forward, _ in logged if isinstance(forward, Tensor)]
+                forward = torch.stack(forwards).float().mean() if forwards else None
             updates = torch.tensor(metric._update_count)
             described[name] = (path, forward, metric.metric_state, updates, options)
         return described
+
+    def _step_value(self, metric: Metric, calls: list[tuple[tuple, dict]]) -> Any:
+        """``metric`` computed on the step's inputs alone, in a copy kept for it (reset every step; no sync:
+        Lightning's step value of a Metric is this rank's, its epoch value the synced one)."""
+        copy = self._step_copies.get(id(metric))
+        if copy is None:
+            group, metric.process_group = metric.process_group, None  # a process group cannot be copied
+            try:
+                copy = self._step_copies[id(metric)] = metric.clone()
+            finally:
+                metric.process_group = group
+            copy.distributed_available_fn = _never  # compute on this rank's values: never sync
+        copy.reset()
+        with torch.no_grad():
+            for args, kwargs in calls:
+                copy.update(*args, **kwargs)
+            return _detach(copy.compute())
+
+    def _metrics(self) -> list[Metric]:
+        """The torchmetrics objects of the LightningModule (their calls are recorded during a step)."""
+        if self._module_metrics is None:
+            self._module_metrics = [m for m in self._module.modules() if isinstance(m, Metric)]
+        return self._module_metrics
 
     def _metric_path(self, metric: Metric) -> str | None:
         """``metric``'s name in the LightningModule, or None when it is not a submodule. The names are looked up
         once, and again only for a metric not seen before."""
         if id(metric) not in self._metric_paths:
             self._metric_paths = {id(m): n for n, m in self._module.named_modules() if isinstance(m, Metric)}
+            self._module_metrics = None  # new metrics: watch them from the next step
         return self._metric_paths.get(id(metric))
 
     def _result_tag(self, training: bool) -> int:
@@ -462,19 +499,30 @@ class PipelineEngine:
 
 
 class _LogCapture:
-    """Holds back ``self.log`` calls made by one microbatch's step, to be reduced and replayed once per step."""
+    """Holds back ``self.log`` calls made by one microbatch's step, to be reduced and replayed once per step, and
+    the inputs each torchmetrics ``Metric`` of the module was called with (the step's value is computed from all
+    of the step's inputs, as one device computes it from the whole batch)."""
 
-    def __init__(self, module: pl.LightningModule) -> None:
+    def __init__(self, module: pl.LightningModule, metrics: Sequence[Metric]) -> None:
         self._module = module
+        self._watched = metrics
+        self._hooks: list[Any] = []
         self.calls: list[tuple[str, Any, dict[str, Any]]] = []
         self.metrics: dict[str, tuple[Metric, Tensor | None, dict[str, Any]]] = {}
+        self.metric_inputs: dict[int, list[tuple[tuple, dict]]] = {}
 
     def __enter__(self) -> _LogCapture:
         object.__setattr__(self._module, "log", self._log)
+        self._hooks = [metric.register_forward_pre_hook(self._record, with_kwargs=True) for metric in self._watched]
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._module.__dict__.pop("log", None)
+        for hook in self._hooks:
+            hook.remove()
+
+    def _record(self, metric: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.metric_inputs.setdefault(id(metric), []).append((_detach(args), _detach(kwargs)))
 
     def _log(self, name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(self._module, name, value, *args, **kwargs)
@@ -521,6 +569,10 @@ def _loss_of(output: Any) -> Tensor:
 def _own(value: Any) -> Any:
     """A received tensor (a view into the message buffer), or a list of them, as tensors of their own."""
     return [t.clone() for t in value] if isinstance(value, list) else value.clone()
+
+
+def _never() -> bool:
+    return False
 
 
 def _detach(value: Any) -> Any:
