@@ -193,13 +193,14 @@ def _axis_size(smp_axis: str) -> int:
     return _run(f"{smp_axis}_size").topology.size(_AXES[smp_axis])
 
 
-def _axis_group(smp_axis: str) -> dist.ProcessGroup:
-    return _run(f"get_{smp_axis}_process_group").topology.group(_AXES[smp_axis])
+def _axis_group(smp_axis: str, caller: str | None = None) -> dist.ProcessGroup:
+    """The process group of ``smp_axis`` holding this rank; ``caller`` names the facade call in the error raised
+    outside a run (default: the group getter)."""
+    return _run(caller or f"get_{smp_axis}_process_group").topology.group(_AXES[smp_axis])
 
 
 def _axis_barrier(smp_axis: str) -> None:
-    group = _run(f"{smp_axis}_barrier" if smp_axis != "world" else "barrier").topology.group(_AXES[smp_axis])
-    dist.barrier(group=group)
+    dist.barrier(group=_axis_group(smp_axis, f"{smp_axis}_barrier" if smp_axis != "world" else "barrier"))
 
 
 def dp_rank() -> int:
@@ -322,7 +323,7 @@ WORLD, MP_GROUP, PP_GROUP, TP_GROUP, DP_GROUP, RDP_GROUP = CommGroup
 def broadcast(obj: Any, group: CommGroup) -> None:
     """smp's ``smp.broadcast``: send the picklable ``obj`` to every other rank of ``group``, each of which takes it
     with ``smp.recv_from(<this rank in the group>, <the group's RankType>)`` (point to point, not a collective)."""
-    process_group = _objects_group(_axis_of(group, CommGroup, "broadcast"), "broadcast")
+    process_group = _axis_group(_axis_of(group, CommGroup, "broadcast"), "broadcast")
     me = dist.get_rank()
     for peer in dist.get_process_group_ranks(process_group):
         if peer != me:
@@ -348,7 +349,7 @@ def recv_from(src_rank: int, rank_type: RankType) -> Any:
 def allgather(obj: Any, group: CommGroup) -> list[Any]:
     """smp's ``smp.allgather``: every rank of ``group`` passes an object; each gets the list of them, in the
     group's rank order (a collective: every rank of the group calls it)."""
-    process_group = _objects_group(_axis_of(group, CommGroup, "allgather"), "allgather")
+    process_group = _axis_group(_axis_of(group, CommGroup, "allgather"), "allgather")
     gathered: list[Any] = [None] * dist.get_world_size(process_group)
     dist.all_gather_object(gathered, obj, group=process_group)
     return gathered
@@ -364,13 +365,9 @@ def _axis_of(value: Any, kind: type[Enum], caller: str) -> str:
     return value.value
 
 
-def _objects_group(smp_axis: str, caller: str) -> dist.ProcessGroup:
-    return _run(caller).topology.group(_AXES[smp_axis])
-
-
 def _peer(rank_in_group: int, rank_type: RankType, caller: str) -> tuple[dist.ProcessGroup, int]:
     """The process group of ``rank_type`` holding this rank, and the global rank of its member ``rank_in_group``."""
-    process_group = _objects_group(_axis_of(rank_type, RankType, caller), caller)
+    process_group = _axis_group(_axis_of(rank_type, RankType, caller), caller)
     size = dist.get_world_size(process_group)
     if not isinstance(rank_in_group, int) or not 0 <= rank_in_group < size:
         raise ValueError(
