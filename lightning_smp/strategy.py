@@ -348,24 +348,11 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def on_train_end(self) -> None:
-        self._settle_pipeline()
-
-    @override
-    def on_validation_end(self) -> None:
-        self._settle_pipeline()
-
-    @override
-    def on_test_end(self) -> None:
-        self._settle_pipeline()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._settle_pipeline()
-
-    def _settle_pipeline(self) -> None:
         """No stage leaves a loop before every stage has its last step's result (see `PipelineEngine.settle`)."""
         if self._pipeline is not None:
             self._pipeline.settle()
+
+    on_validation_end = on_test_end = on_predict_end = on_train_end  # every loop ends the same way
 
     @contextmanager
     @override
