@@ -163,8 +163,7 @@ class PipelineEngine:
         self._pending: list[tuple[nn.Parameter, Tensor | None]] | None = None
         self._outside_checked = False
         self._outside_owner: dict[str, int] = {}
-        self._metric_paths: dict[int, str] = {}
-        self._module_metrics: list[Metric] | None = None
+        self._named_metrics: dict[int, tuple[str, Metric]] | None = None  # by id: name in the module, the metric
         self._step_copies: dict[int, Metric] = {}  # per logged metric: a copy that sees one step's inputs
 
     @property
@@ -409,17 +408,21 @@ class PipelineEngine:
 
     def _metrics(self) -> list[Metric]:
         """The torchmetrics objects of the LightningModule (their calls are recorded during a step)."""
-        if self._module_metrics is None:
-            self._module_metrics = [m for m in self._module.modules() if isinstance(m, Metric)]
-        return self._module_metrics
+        return [metric for _, metric in self._module_metrics().values()]
 
     def _metric_path(self, metric: Metric) -> str | None:
-        """``metric``'s name in the LightningModule, or None when it is not a submodule. The names are looked up
-        once, and again only for a metric not seen before."""
-        if id(metric) not in self._metric_paths:
-            self._metric_paths = {id(m): n for n, m in self._module.named_modules() if isinstance(m, Metric)}
-            self._module_metrics = None  # new metrics: watch them from the next step
-        return self._metric_paths.get(id(metric))
+        """``metric``'s name in the LightningModule, or None when it is not a submodule. The metrics are looked up
+        once, and again only for a metric not seen before (it is then watched from the next step)."""
+        if id(metric) not in self._module_metrics():
+            self._named_metrics = None
+        named = self._module_metrics().get(id(metric))
+        return named[0] if named is not None else None
+
+    def _module_metrics(self) -> dict[int, tuple[str, Metric]]:
+        if self._named_metrics is None:
+            modules = self._module.named_modules()
+            self._named_metrics = {id(m): (name, m) for name, m in modules if isinstance(m, Metric)}
+        return self._named_metrics
 
     def _result_tag(self, training: bool) -> int:
         """The tag of the step results' link: after every chunk link's two tags; training and evaluation apart."""
