@@ -36,9 +36,11 @@ from lightning_smp import SMPStrategy, smp
 try:
     from benchmarks.gpt import GPTConfig, GPTModule
     from benchmarks.pipeline_bench import record
+    from benchmarks.precision_bench import make_batches
 except ImportError:  # run as `python benchmarks/activation_memory.py` without the repo root on sys.path
     from gpt import GPTConfig, GPTModule
     from pipeline_bench import record
+    from precision_bench import make_batches
 
 MODES = ("plain", "checkpointed")
 SETTINGS = ("layers", "heads", "width", "block", "batch", "vocab", "steps", "warmup")  # what a child is given
@@ -76,8 +78,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     module = (_CheckpointedGPT if mode == "checkpointed" else GPTModule)(config)
     total = args.warmup + args.steps
-    tokens = torch.randint(0, args.vocab, (total + 1, args.batch, args.block + 1))
-    batches = [(seq[:, :-1].contiguous(), seq[:, 1:].contiguous()) for seq in tokens]
+    batches = make_batches(config, args.batch, total + 1, seed=0, pin=cuda)
     times = _StepTimes()
     trainer = L.Trainer(
         accelerator="auto",
