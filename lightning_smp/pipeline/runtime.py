@@ -72,7 +72,8 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         )
     trunk_name, trunk = find_trunk(module, config.pipeline_module)
     children = describe_children(trunk, trunk_name)
-    if getattr(module, "example_input_array", None) is not None:
+    if getattr(module, "example_input_array", None) is not None and not _on_meta(trunk):
+        # On the meta device (delayed initialisation) nothing can run yet: the cost model counts parameters.
         children = measure_children(module, trunk, children, module.example_input_array)
     assignment = None
     if not config.auto_partition and config.partition is None:
@@ -112,6 +113,10 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         for param in engine.tied_parameters:
             mark_norm_duplicate(param)  # the first stage's copy counts in the global norm
     return engine
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 @dataclass

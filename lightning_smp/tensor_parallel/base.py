@@ -17,7 +17,14 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
-from lightning_smp.tensor_parallel.shard import SHARD_ATTRIBUTE, ShardSpec, TPShard, shard_of, slice_shard
+from lightning_smp.tensor_parallel.shard import (
+    SHARD_ATTRIBUTE,
+    ShardSpec,
+    TPShard,
+    remember_meta_whole,
+    shard_of,
+    slice_shard,
+)
 
 __all__ = ["TensorParallel", "TensorParallelModule"]
 
@@ -99,5 +106,7 @@ def shard_parameter(
             data = slice_shard(whole.detach(), spec, tp.rank, tp.size).clone(memory_format=torch.contiguous_format)
         piece = nn.Parameter(data, requires_grad=whole.requires_grad)
         setattr(piece, SHARD_ATTRIBUTE, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
+        if whole.is_meta:  # delayed initialisation: materialised once the pipeline has pruned what this rank drops
+            remember_meta_whole(piece, whole)
         shared[id(whole)] = piece
     module._parameters[name] = piece

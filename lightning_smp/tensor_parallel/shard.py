@@ -15,10 +15,21 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SHARD_ATTRIBUTE", "ShardSpec", "TPShard", "gather_shards", "merge_shards", "shard_of", "slice_shard"]
+__all__ = [
+    "SHARD_ATTRIBUTE",
+    "ShardSpec",
+    "TPShard",
+    "gather_shards",
+    "merge_shards",
+    "remember_meta_whole",
+    "shard_of",
+    "slice_shard",
+    "take_meta_whole",
+]
 
 SHARD_ATTRIBUTE = "_smp_tp_shard"
 """Name of the attribute a sharded parameter carries; its value is a `TPShard`."""
+_META_WHOLE_ATTRIBUTE = "_smp_tp_meta_whole"
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +81,18 @@ def slice_shard(whole: Tensor, spec: ShardSpec, index: int, parts: int) -> Tenso
     blocks = whole.chunk(spec.blocks, dim=spec.dim)
     pieces = [block.chunk(parts, dim=spec.dim)[index] for block in blocks]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
+
+
+def remember_meta_whole(piece: Tensor, whole: Tensor) -> None:
+    """Note on a shard cut from a tensor on the meta device (a model built for delayed initialisation) the whole
+    tensor it comes from: the shard's value is only known once that whole is materialised and cut."""
+    setattr(piece, _META_WHOLE_ATTRIBUTE, whole)
+
+
+def take_meta_whole(piece: Tensor) -> Tensor | None:
+    """The meta whole tensor ``piece`` was cut from (`remember_meta_whole`), or None for any other tensor; forgotten
+    here, since it is asked for once, when the piece is materialised."""
+    return piece.__dict__.pop(_META_WHOLE_ATTRIBUTE, None)
 
 
 def merge_shards(pieces: Sequence[Tensor], spec: ShardSpec) -> Tensor:
