@@ -217,8 +217,9 @@ class StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            pass
-        value = getattr(self._shapes, name, None)
+            if name.startswith("_") or "_shapes" not in self.__dict__:  # private, or not built yet (copy, pickle)
+                raise
+        value = getattr(self.__dict__["_shapes"], name, None)
         if value is not None and not isinstance(value, Tensor | nn.Module):
             return value  # a setting of the module (e.g. embedding_dim): the same on every stage
         raise AttributeError(
