@@ -1,13 +1,10 @@
-"""A parameter's placement: its global shape, the tensor-parallel piece this rank holds, and the axes on which
-another rank holds the same values.
+"""A parameter's placement: its global shape, the tensor-parallel piece this rank holds, and the axes along which
+another rank holds the same values (so the global gradient norm must not count this copy).
 
-Owns the one public description of where a parameter's values live: tensor parallelism and the pipeline write it
-(`set_placement`, `mark_norm_duplicate`); checkpoints, gradient-norm counting and teardown read it
-(`placement_of`). Not owned: cutting and joining pieces (`tensor_parallel/shard.py`) or what to split
-(`tensor_parallel/plan.py`). A frozen dataclass of our own, not DTensor: our tensor-parallel layers run explicit
-collectives on plain local tensors, and the fp16 optimizer keeps flat fp32 buffers over plain tensors, so DTensor
-parameters would change every layer's forward and the optimizer's path. DCP still sees a piece as chunks of the
-global tensor, through the protocol DTensor implements (`checkpoint/dcp_adapter.py`).
+Owns that one public description: tensor parallelism and the pipeline write it, checkpoints and norm counting read
+it (`placement_of`). Not owned: cutting and joining pieces (`tensor_parallel/shard.py`). Our own frozen dataclass,
+not DTensor: our tensor-parallel layers run explicit collectives on plain local tensors and the fp16 optimizer
+keeps flat fp32 buffers over them; DTensor parameters would change every layer's forward and that optimizer.
 """
 
 from __future__ import annotations
