@@ -511,8 +511,9 @@ def _checked(name: str, tensor: Tensor) -> tuple[_Recording, int]:
     found = _lookup(tensor)
     if found is None:
         raise ValueError(
-            f"{name} (shape {tuple(tensor.shape)}) is a meta tensor made outside deferred_init(), so its values are "
-            "unknown. Create the module that owns it inside `with deferred_init():` (without device='meta'), or "
+            f"{name} (shape {tuple(tensor.shape)}) is a meta tensor made outside deferred_init() (device='meta' by "
+            "hand, or a change such as module.half() or .to() after the block), so its values are unknown. Create "
+            "the module that owns it, and convert it, inside `with deferred_init():` (without device='meta'), or "
             "build it eagerly."
         )
     return found

@@ -109,6 +109,48 @@ class _Tied(nn.Module):
         self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
 
 
+class _Orthogonal(nn.Module):
+    """Initialisers torch skips for meta tensors (they need values): recorded whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotation = nn.Parameter(torch.empty(6, 4))
+        self.conv = nn.Conv1d(4, 4, 3)
+        self.sparse = nn.Parameter(torch.empty(8, 5))
+        nn.init.orthogonal_(self.rotation, generator=torch.Generator().manual_seed(5))
+        nn.init.dirac_(self.conv.weight)
+        nn.init.sparse_(self.sparse, sparsity=0.5)
+
+
+class _Converted(nn.Module):
+    """Dtype conversions, an ``out=`` op, ``x.add_(x)`` and a real tensor copied in and changed afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bf16 = nn.Linear(4, 3).to(torch.bfloat16)
+        self.register_buffer("total", torch.empty(3))
+        torch.add(self.bf16.bias.detach().float(), 1.0, out=self.total)
+        constant = torch.tensor([1.0, 2.0, 3.0])
+        self.doubled = nn.Parameter(torch.empty(3))
+        with torch.no_grad():
+            self.doubled.copy_(constant)
+            self.doubled.add_(self.doubled)
+        constant.mul_(10)  # after the copy: the parameter keeps the earlier values
+
+
+class _CopiedThenChanged(nn.Module):
+    """A copy taken before its source changes in place: the copy keeps the earlier value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = nn.Linear(4, 4)
+        self.copy = copy.deepcopy(self.source)
+        with torch.no_grad():
+            self.source.weight.mul_(2)
+            self.copy.bias.add_(self.source.bias)
+        nn.init.normal_(self.source.bias)
+
+
 _CASES = {
     "linear": lambda: nn.Linear(5, 7),
     "embedding": lambda: nn.Embedding(10, 4, padding_idx=2),
@@ -125,6 +167,9 @@ _CASES = {
     "buffers_from_arange_and_pow": _Rotary,
     "manual_seed_inside": _Reseeded,
     "tied": _Tied,
+    "initialisers_that_need_values": _Orthogonal,
+    "conversions_out_and_aliasing": _Converted,
+    "copy_then_source_changed": _CopiedThenChanged,
 }
 
 
@@ -148,6 +193,33 @@ def test_tied_parameters_stay_tied_and_buffers_keep_their_kind():
     _, rotary = _build_both(_Rotary)
     materialize_module(rotary, device=_CPU)
     assert set(rotary.state_dict()) == {"inv_freq", "scale", "noise"}  # "cos" stays non-persistent
+
+
+@pytest.mark.parametrize("order", [["copy.weight", "source.weight"], ["source.weight", "copy.weight", "copy.bias"]])
+def test_any_subset_in_any_order_gets_the_eager_values(order):
+    eager, deferred = _build_both(_CopiedThenChanged)
+    pieces = materialize([(deferred.get_parameter(name), lambda value: value) for name in order], device=_CPU)
+    for name, piece in zip(order, pieces, strict=True):
+        assert torch.equal(piece, eager.get_parameter(name)), name
+
+
+def test_blocks_materialize_together_and_a_later_block_cannot_read_an_earlier_one():
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 3), nn.Linear(3, 3)
+    torch.manual_seed(0)
+    with deferred_init():
+        first = nn.Linear(3, 3)
+    with deferred_init():
+        second = nn.Linear(3, 3)
+        second.register_buffer("from_first", first.weight * 2)
+    pieces = materialize([(first.weight, _whole), (second.weight, _whole)], device=_CPU)
+    assert torch.equal(pieces[0], eager[0].weight) and torch.equal(pieces[1], eager[1].weight)
+    with pytest.raises(ValueError, match=r"from_first is computed from a meta tensor made outside its deferred_init"):
+        materialize_module(second, device=_CPU)
+
+
+def _whole(value: Tensor) -> Tensor:
+    return value
 
 
 def test_a_module_built_before_the_eager_one_does_not_change_its_values():
@@ -194,7 +266,8 @@ def test_cuts_equal_the_slices_of_the_eager_values_and_are_new_contiguous_tensor
     columns = lambda value: value[:, 1::2]  # noqa: E731
     wanted = [(deferred[0].weight, rows), (deferred[0].weight, columns), (deferred[1].bias, rows)]
     pieces = materialize(wanted, device=_CPU)
-    assert torch.equal(pieces[0], eager[0].weight[2:4]) and torch.equal(pieces[1], eager[0].weight[:, 1::2])
+    assert torch.equal(pieces[0], eager[0].weight[2:4])
+    assert torch.equal(pieces[1], eager[0].weight[:, 1::2])
     assert torch.equal(pieces[2], eager[1].bias[2:4])
     assert all(piece.is_contiguous() and piece.untyped_storage().nbytes() == piece.nbytes for piece in pieces)
 
@@ -306,3 +379,30 @@ def test_materializing_inside_the_block_is_refused():
         linear = nn.Linear(2, 2)
         with pytest.raises(RuntimeError, match="leave the `with deferred_init\\(\\):` block first"):
             materialize_module(linear, device=_CPU)
+
+
+def test_writing_a_real_tensor_from_a_deferred_one_names_the_fix():
+    real = torch.zeros(3, device="cpu")
+    with pytest.raises(RuntimeError, match=r"writes into a real cpu tensor from a deferred"), deferred_init():
+        real.copy_(nn.Linear(3, 3).bias)
+
+
+def test_a_nested_block_joins_the_outer_one_and_real_tensors_stay_real():
+    eager, _ = _build_both(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    torch.manual_seed(0)
+    with deferred_init():
+        outer = nn.Linear(3, 3)
+        with deferred_init():
+            inner = nn.Linear(3, 3)
+        real = nn.init.orthogonal_(torch.empty(3, 3, device="cpu"))  # explicit device: eager, as outside the block
+        outer.register_buffer("from_inner", inner.weight + 1)
+    assert not real.is_meta and torch.linalg.matrix_rank(real) == 3
+    materialize_module(outer, device=_CPU)
+    assert torch.equal(outer.from_inner, eager[1].weight + 1)
+
+
+def test_a_cut_that_returns_no_tensor_names_the_tensor():
+    with deferred_init():
+        linear = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="the cut for weight returned list, not a tensor"):
+        materialize_module(linear, device=_CPU, cut=lambda name, tensor: lambda value: value.tolist())
