@@ -253,11 +253,21 @@ class _Recorder(TorchDispatchMode):
             others_read_it = sum(r is not None and r.sid == sid for r in refs) > 1
             if (func in _OVERWRITES_SELF and ref.covers_storage() and not others_read_it) or _is_out(func, sid, refs):
                 reads.discard(ref.node)
-        recorded_args = [ref if ref is not None else _record_leaf(leaf) for leaf, ref in zip(flat, refs, strict=True)]
 
         meta_args, meta_kwargs = tree_unflatten([_to_meta(leaf) for leaf in flat], spec)
-        out = func(*meta_args, **meta_kwargs)
+        try:
+            out = func(*meta_args, **meta_kwargs)
+        except NotImplementedError as error:
+            raise RuntimeError(
+                f"deferred_init(): {func} cannot run on the meta device ({error}). Build the module that calls it "
+                "outside deferred_init() and pass it in, or compute that tensor with other ops."
+            ) from error
 
+        refs_by_leaf = {id(leaf): ref for leaf, ref in zip(flat, refs, strict=True) if ref is not None}
+        recorded_kwargs = _explicit_dtype(func, kwargs, out)
+        if recorded_kwargs is not kwargs:
+            flat, spec = tree_flatten((args, recorded_kwargs))
+        recorded_args = [refs_by_leaf[id(leaf)] if _is_meta_tensor(leaf) else _record_leaf(leaf) for leaf in flat]
         index = len(self._recording.ops)
         flat_out, _ = tree_flatten(out)
         fresh = []
@@ -278,8 +288,8 @@ class _Recorder(TorchDispatchMode):
         """Record ``function(tensor, *args, **kwargs)``, an initialiser that fills ``tensor`` in place and needs real
         values to do so, as one op; advance its generator by running it on a real scratch tensor."""
         ref = self._ref(tensor, self._input_sid(tensor))
-        generator = kwargs.get("generator")
-        state = (generator if generator is not None else torch.default_generator).get_state()
+        generators = [leaf for leaf in (*args, *kwargs.values()) if isinstance(leaf, torch.Generator)]
+        state = (generators[0] if generators else torch.default_generator).get_state()
         _ACTIVE.paused = True
         try:
             function(_scratch(tensor), *args, **kwargs)
@@ -303,6 +313,15 @@ class _Recorder(TorchDispatchMode):
         scratch_args, scratch_kwargs = tree_unflatten([_scratch(leaf) for leaf in flat], spec)
         func(*scratch_args, **scratch_kwargs)
         return state
+
+
+def _explicit_dtype(func, kwargs: dict, out: Any) -> dict:
+    """``kwargs`` with ``dtype=`` set to the output's when the op left it to the default dtype, so that replay gives
+    the dtype the build did whatever the default dtype is then (precision plugins change it around model creation)."""
+    takes_dtype = any(argument.name == "dtype" and argument.kwarg_only for argument in func._schema.arguments)
+    if not takes_dtype or kwargs.get("dtype") is not None or not isinstance(out, Tensor):
+        return kwargs
+    return {**kwargs, "dtype": out.dtype}
 
 
 def _on_meta(leaf: Any) -> bool:

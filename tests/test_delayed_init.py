@@ -36,7 +36,7 @@ def _assert_same_tensors(eager: nn.Module, materialized: nn.Module) -> None:
     got |= dict(materialized.named_buffers(remove_duplicate=False))
     assert expected.keys() == got.keys()
     for name, value in expected.items():
-        assert got[name].device == _CPU and torch.equal(got[name], value), name
+        assert got[name].device == _CPU and got[name].dtype == value.dtype and torch.equal(got[name], value), name
 
 
 # -- modules whose constructors initialise themselves ----------------------------------------------------------
@@ -117,7 +117,7 @@ class _Orthogonal(nn.Module):
         self.rotation = nn.Parameter(torch.empty(6, 4))
         self.conv = nn.Conv1d(4, 4, 3)
         self.sparse = nn.Parameter(torch.empty(8, 5))
-        nn.init.orthogonal_(self.rotation, generator=torch.Generator().manual_seed(5))
+        nn.init.orthogonal_(self.rotation, 1.0, torch.Generator().manual_seed(5))  # a generator passed by position
         nn.init.dirac_(self.conv.weight)
         nn.init.sparse_(self.sparse, sparsity=0.5)
 
@@ -201,6 +201,18 @@ def test_any_subset_in_any_order_gets_the_eager_values(order):
     pieces = materialize([(deferred.get_parameter(name), lambda value: value) for name in order], device=_CPU)
     for name, piece in zip(order, pieces, strict=True):
         assert torch.equal(piece, eager.get_parameter(name)), name
+
+
+def test_materializing_under_another_default_dtype_gives_the_dtypes_of_the_build():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as a precision plugin may around model creation
+    try:
+        eager, deferred = _build_both(_Rotary)
+    finally:
+        torch.set_default_dtype(previous)
+    materialize_module(deferred, device=_CPU)
+    _assert_same_tensors(eager, deferred)
+    assert deferred.scale.dtype == deferred.noise.dtype == torch.float64
 
 
 def test_blocks_materialize_together_and_a_later_block_cannot_read_an_earlier_one():
