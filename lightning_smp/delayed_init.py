@@ -28,7 +28,8 @@ tensor has no data until it is materialised:
   the block, e.g. ``from torch.nn.init import orthogonal_``): torch skips meta tensors in them, so call them through
   ``torch.nn.init`` (``trunc_normal_`` is seen however it is reached).
 
-Random values come from the default CPU generator (or the generator passed to the op), exactly as an eager CPU build
+Parameters, buffers and tensors a module keeps as plain attributes (directly or in a dict or list, as torchmetrics
+keeps metric states) are materialised. Random values come from the default CPU generator (or the generator passed to the op), exactly as an eager CPU build
 draws them, and the generator ends where the eager build leaves it. Inside the block the default device still reads
 as the CPU (so Hugging Face's ``post_init`` initialises); factories without ``device=`` make meta tensors. Tensors a
 constructor creates with an explicit real ``device=`` are real, not deferred, and are left as they are.
@@ -84,6 +85,7 @@ _COPIES = frozenset({_aten.clone.default, _aten._to_copy.default, _aten.lift_fre
 # it looks up at each call, so that copies of ``trunc_normal_`` bound elsewhere (Hugging Face's) are seen too.
 _INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 _DATA_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
@@ -466,28 +468,52 @@ def materialize_module(
     tied parameters stay tied.
 
     A tensor shared by several names (tied weights) is cut once, with the cut for the name ``named_parameters()``
-    gives it first.
+    gives it first. Deferred tensors kept as plain attributes of a submodule, directly or in a dict or list
+    attribute (torchmetrics' metric states, constants a constructor keeps), are materialised too.
     """
-    owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    places: dict[int, list[tuple[dict | list, Any]]] = {}  # tensor -> where it is held: (container, key)
     entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]] = []
-    for module_name, submodule in module.named_modules(remove_duplicate=False):
-        for is_parameter, tensors in ((True, submodule._parameters), (False, submodule._buffers)):
-            for local_name, tensor in tensors.items():
-                if tensor is None or not tensor.is_meta:
-                    continue
-                if id(tensor) not in owners:
-                    name = f"{module_name}.{local_name}" if module_name else local_name
-                    chosen = cut(name, tensor) if cut is not None else None
-                    entries.append((name, tensor, chosen if chosen is not None else _whole))
-                    owners[id(tensor)] = []
-                owners[id(tensor)].append((submodule, local_name, is_parameter))
+    for name, container, key, tensor in _deferred_places(module):
+        if id(tensor) not in places:
+            chosen = cut(name, tensor) if cut is not None else None
+            entries.append((name, tensor, chosen if chosen is not None else _whole))
+            places[id(tensor)] = []
+        places[id(tensor)].append((container, key))
     values = _materialize(entries, torch.device(device))
     for (_, old, _), value in zip(entries, values, strict=True):
         if isinstance(old, nn.Parameter):
             value = nn.Parameter(value, requires_grad=old.requires_grad)
             value.__dict__.update(old.__dict__)  # attributes code set on the parameter (e.g. Hugging Face's flags)
-        for submodule, local_name, is_parameter in owners[id(old)]:
-            (submodule._parameters if is_parameter else submodule._buffers)[local_name] = value
+        for container, key in places[id(old)]:
+            container[key] = value
+
+
+def _deferred_places(module: nn.Module) -> Iterator[tuple[str, dict | list, Any, Tensor]]:
+    """(qualified name, container, key, tensor) for every meta tensor a module holds: parameters and buffers first
+    (in ``named_parameters()`` / ``named_buffers()`` order), then plain attributes and their dict or list items."""
+    modules = list(module.named_modules(remove_duplicate=False))
+    for table_name in _MODULE_TABLES[:2]:
+        for prefix, submodule in modules:
+            table = getattr(submodule, table_name)
+            for key, tensor in table.items():
+                if isinstance(tensor, Tensor) and tensor.is_meta:
+                    yield _qualified(prefix, key), table, key, tensor
+    for prefix, submodule in modules:
+        attributes = vars(submodule)
+        for key, value in list(attributes.items()):
+            if key in _MODULE_TABLES:
+                continue
+            if isinstance(value, Tensor) and value.is_meta:
+                yield _qualified(prefix, key), attributes, key, value
+            elif isinstance(value, dict | list):
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for item_key, item in list(items):
+                    if isinstance(item, Tensor) and item.is_meta:
+                        yield f"{_qualified(prefix, key)}[{item_key!r}]", value, item_key, item
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _whole(value: Tensor) -> Tensor:

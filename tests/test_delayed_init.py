@@ -234,6 +234,41 @@ def _whole(value: Tensor) -> Tensor:
     return value
 
 
+class _Stateful(nn.Module):
+    """Tensors kept as plain attributes, directly and in a dict and a list (as torchmetrics keeps metric states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.counts = torch.zeros(3, dtype=torch.long)
+        self.defaults = {"total": torch.ones(2) * 3}
+        self.history = [torch.arange(4.0), "not a tensor"]
+        self.alias = self.linear.weight.detach()
+
+
+def test_tensors_kept_as_attributes_are_materialized_too():
+    eager, deferred = _build_both(_Stateful)
+    materialize_module(deferred, device=_CPU)
+    assert torch.equal(deferred.counts, eager.counts) and deferred.counts.dtype == torch.long
+    assert torch.equal(deferred.defaults["total"], eager.defaults["total"])
+    assert torch.equal(deferred.history[0], eager.history[0]) and deferred.history[1] == "not a tensor"
+    assert torch.equal(deferred.alias, eager.alias) and torch.equal(deferred.linear.weight, eager.linear.weight)
+
+
+def test_torchmetrics_states_are_materialized():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    eager = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    with deferred_init():
+        metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    materialize_module(metric, device=_CPU)
+    for _ in range(2):  # the second round starts from the materialised defaults
+        for accuracy in (eager, metric):
+            accuracy.update(torch.tensor([0, 2, 1]), torch.tensor([0, 2, 2]))
+        assert torch.equal(metric.compute(), eager.compute())
+        eager.reset()
+        metric.reset()
+
+
 def test_a_module_built_before_the_eager_one_does_not_change_its_values():
     torch.manual_seed(0)
     with deferred_init():
