@@ -21,23 +21,27 @@ tensor has no data until it is materialised:
   boolean-mask indexing): compute it from Python numbers instead, or build that module outside ``deferred_init()``
   and pass it in; the error names the op;
 - changing parameters after ``deferred_init()`` has exited and before materialisation: such changes are not
-  recorded, so do them inside the ``with`` block (or after materialisation);
+  recorded, so do them inside the ``with`` block (or after materialisation). Views taken afterwards (slices,
+  ``.t()``, ``nn.Parameter(view)``) stay deferred and materialise to the view of the value; copies do not;
 - tensors created on the meta device outside ``deferred_init()`` (``device="meta"`` by hand, or in an earlier
   block): their value is unknown, and materialising them raises an error naming them;
-- ``orthogonal_``, ``dirac_`` and ``sparse_`` reached other than as ``torch.nn.init.<name>`` (a copy bound before
-  the block, e.g. ``from torch.nn.init import orthogonal_``): torch skips meta tensors in them, so call them through
-  ``torch.nn.init`` (``trunc_normal_`` is seen however it is reached).
+- ``orthogonal_``, ``dirac_`` and ``sparse_`` reached other than as ``torch.nn.init.<name>`` or through Hugging
+  Face's ``transformers.initialization`` (a copy bound before the block, e.g. ``from torch.nn.init import
+  orthogonal_``): torch skips meta tensors in them, so call them through ``torch.nn.init`` (``trunc_normal_`` is
+  seen however it is reached).
 
 Parameters, buffers and tensors a module keeps as plain attributes (directly or in a dict or list, as torchmetrics
-keeps metric states) are materialised. Random values come from the default CPU generator (or the generator passed to the op), exactly as an eager CPU build
-draws them, and the generator ends where the eager build leaves it. Inside the block the default device still reads
-as the CPU (so Hugging Face's ``post_init`` initialises); factories without ``device=`` make meta tensors. Tensors a
-constructor creates with an explicit real ``device=`` are real, not deferred, and are left as they are.
+keeps metric states) are materialised. Random values come from the default CPU generator (or the generator passed
+to the op), exactly as an eager CPU build draws them, and the generator ends where the eager build leaves it. Inside
+the block the default device still reads as the CPU (so Hugging Face's ``post_init`` initialises); factories without
+``device=`` make meta tensors, while ``torch.tensor([...])`` constants and tensors made with an explicit real
+``device=`` stay real and are left as they are.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -428,17 +432,30 @@ def deferred_init() -> Iterator[None]:
         return
     _prune()
     recorder = _Recorder(_Recording())
-    originals = {name: getattr(torch.nn.init, name) for name in _INITS_THAT_SKIP_META}
     _ACTIVE.recorder = recorder
     try:
-        for name, function in originals.items():
-            setattr(torch.nn.init, name, _recorded_call(function))
-        with _MetaFactories(), recorder:
+        with _recording_initialisers(), _MetaFactories(), recorder:
             yield
     finally:
-        for name, function in originals.items():
-            setattr(torch.nn.init, name, function)
         _ACTIVE.recorder = None
+
+
+@contextmanager
+def _recording_initialisers() -> Iterator[None]:
+    """Swap the initialisers torch skips for meta tensors for recording wrappers, in ``torch.nn.init`` and in the
+    table of them Hugging Face's ``transformers.initialization`` bound at import."""
+    tables = [vars(torch.nn.init)]
+    huggingface = sys.modules.get("transformers.initialization")
+    if huggingface is not None and isinstance(getattr(huggingface, "TORCH_INIT_FUNCTIONS", None), dict):
+        tables.append(huggingface.TORCH_INIT_FUNCTIONS)
+    originals = [(table, name, table[name]) for table in tables for name in _INITS_THAT_SKIP_META if name in table]
+    try:
+        for table, name, function in originals:
+            table[name] = _recorded_call(function)
+        yield
+    finally:
+        for table, name, function in originals:
+            table[name] = function
 
 
 def is_deferred(tensor: Tensor) -> bool:

@@ -304,6 +304,20 @@ def test_llama_equals_the_eager_build_with_its_rotary_buffers(tied):
     assert torch.equal(deferred(tokens).logits, eager(tokens).logits)
 
 
+def test_hugging_face_initialisers_that_torch_skips_on_meta_are_recorded():
+    initialization = pytest.importorskip("transformers.initialization")
+
+    def build() -> nn.Module:
+        module = nn.Linear(6, 4)
+        initialization.orthogonal_(module.weight)
+        initialization.trunc_normal_(module.bias, std=0.5)
+        return module
+
+    eager, deferred = _build_both(build)
+    materialize_module(deferred, device=_CPU)
+    _assert_same_tensors(eager, deferred)
+
+
 # -- cuts ------------------------------------------------------------------------------------------------------
 
 
@@ -317,6 +331,14 @@ def test_cuts_equal_the_slices_of_the_eager_values_and_are_new_contiguous_tensor
     assert torch.equal(pieces[1], eager[0].weight[:, 1::2])
     assert torch.equal(pieces[2], eager[1].bias[2:4])
     assert all(piece.is_contiguous() and piece.untyped_storage().nbytes() == piece.nbytes for piece in pieces)
+
+
+def test_views_taken_after_the_block_materialize_to_the_view_of_the_eager_value():
+    eager, deferred = _build_both(lambda: nn.Linear(6, 4))
+    rows, transposed = deferred.weight[1:3], nn.Parameter(deferred.weight.t())
+    assert is_deferred(rows) and is_deferred(transposed)
+    pieces = materialize([(rows, _whole), (transposed, lambda value: value[:2])], device=_CPU)
+    assert torch.equal(pieces[0], eager.weight[1:3]) and torch.equal(pieces[1], eager.weight.t()[:2])
 
 
 def test_materialize_module_cuts_by_qualified_name_and_keeps_tied_parameters_tied():
