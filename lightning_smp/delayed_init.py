@@ -23,8 +23,8 @@ tensor has no data until it is materialised:
 - changing parameters after ``deferred_init()`` has exited and before materialisation: such changes are not
   recorded, so do them inside the ``with`` block (or after materialisation). Views taken afterwards (slices,
   ``.t()``, ``nn.Parameter(view)``) stay deferred and materialise to the view of the value; copies do not;
-- tensors created on the meta device outside ``deferred_init()`` (``device="meta"`` by hand, or in an earlier
-  block): their value is unknown, and materialising them raises an error naming them;
+- tensors made on the meta device by hand (``device="meta"``, inside or outside the block) or in an earlier block:
+  they are not recorded, and materialising a parameter or buffer computed from one raises an error naming it;
 - ``orthogonal_``, ``dirac_`` and ``sparse_`` reached other than as ``torch.nn.init.<name>`` or through Hugging
   Face's ``transformers.initialization`` (a copy bound before the block, e.g. ``from torch.nn.init import
   orthogonal_``): torch skips meta tensors in them, so call them through ``torch.nn.init`` (``trunc_normal_`` is
@@ -231,8 +231,11 @@ class _Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
-        if not any(_on_meta(leaf) for leaf in flat):
-            return func(*args, **kwargs)  # real tensors only: an ordinary eager op
+        if getattr(_ACTIVE, "paused", False) or not any(_on_meta(leaf) for leaf in flat):
+            return func(*args, **kwargs)  # real tensors only (or a meta tensor asked for by hand): run it as eagerly
+        metas = [leaf for leaf in flat if _is_meta_tensor(leaf)]
+        if metas and not any(_lookup(leaf) is not None for leaf in metas):
+            return func(*args, **kwargs)  # only meta tensors made by hand: as eagerly, a meta op that draws nothing
         if torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
             raise RuntimeError(
                 f"deferred_init(): {func} needs the values of a deferred (meta) tensor while the model is being built "
@@ -296,11 +299,8 @@ class _Recorder(TorchDispatchMode):
         ref = self._ref(tensor, self._input_sid(tensor))
         generators = [leaf for leaf in (*args, *kwargs.values()) if isinstance(leaf, torch.Generator)]
         state = (generators[0] if generators else torch.default_generator).get_state()
-        _ACTIVE.paused = True
-        try:
+        with _paused():
             function(_scratch(tensor), *args, **kwargs)
-        finally:
-            _ACTIVE.paused = False
         flat, spec = tree_flatten(((ref, *args), kwargs))
         index = len(self._recording.ops)
         reads = frozenset() if ref.covers_storage() else frozenset({ref.node})
@@ -388,6 +388,16 @@ def _scratch(leaf: Any) -> Any:
     return leaf
 
 
+@contextmanager
+def _paused() -> Iterator[None]:
+    """Run ops as they would run outside deferred_init() (scratch runs, meta tensors asked for by hand)."""
+    _ACTIVE.paused = True
+    try:
+        yield
+    finally:
+        _ACTIVE.paused = False
+
+
 def _recorded_call(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` (a ``torch.nn.init`` initialiser that does nothing to meta tensors), recorded for deferred ones."""
 
@@ -409,13 +419,12 @@ class _MetaFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (
-            kwargs.get("device") is None
-            and func in _device_constructors()
-            and func not in _DATA_CONSTRUCTORS
-            and not getattr(_ACTIVE, "paused", False)
-        ):
-            kwargs["device"] = _META
+        if func in _device_constructors() and func not in _DATA_CONSTRUCTORS and not getattr(_ACTIVE, "paused", False):
+            if kwargs.get("device") is None:
+                kwargs["device"] = _META
+            elif torch.device(kwargs["device"]).type == "meta":  # asked for by hand: a meta tensor, as eagerly
+                with _paused():
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -506,8 +515,9 @@ def materialize_module(
 
 
 def _deferred_places(module: nn.Module) -> Iterator[tuple[str, dict | list, Any, Tensor]]:
-    """(qualified name, container, key, tensor) for every meta tensor a module holds: parameters and buffers first
-    (in ``named_parameters()`` / ``named_buffers()`` order), then plain attributes and their dict or list items."""
+    """(qualified name, container, key, tensor) for the meta tensors a module holds: every meta parameter and buffer
+    first (in ``named_parameters()`` / ``named_buffers()`` order), then the deferred tensors among plain attributes
+    and their dict or list items (a meta attribute made by hand is the module's own business and stays)."""
     modules = list(module.named_modules(remove_duplicate=False))
     for table_name in _MODULE_TABLES[:2]:
         for prefix, submodule in modules:
@@ -520,12 +530,12 @@ def _deferred_places(module: nn.Module) -> Iterator[tuple[str, dict | list, Any,
         for key, value in list(attributes.items()):
             if key in _MODULE_TABLES:
                 continue
-            if isinstance(value, Tensor) and value.is_meta:
+            if isinstance(value, Tensor) and is_deferred(value):
                 yield _qualified(prefix, key), attributes, key, value
             elif isinstance(value, dict | list):
                 items = value.items() if isinstance(value, dict) else enumerate(value)
                 for item_key, item in list(items):
-                    if isinstance(item, Tensor) and item.is_meta:
+                    if isinstance(item, Tensor) and is_deferred(item):
                         yield f"{_qualified(prefix, key)}[{item_key!r}]", value, item_key, item
 
 

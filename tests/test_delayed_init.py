@@ -244,6 +244,7 @@ class _Stateful(nn.Module):
         self.defaults = {"total": torch.ones(2) * 3}
         self.history = [torch.arange(4.0), "not a tensor"]
         self.alias = self.linear.weight.detach()
+        self.placeholder = torch.empty(2, device="meta")  # not recorded: a hand-made meta attribute stays as it is
 
 
 def test_tensors_kept_as_attributes_are_materialized_too():
@@ -253,6 +254,7 @@ def test_tensors_kept_as_attributes_are_materialized_too():
     assert torch.equal(deferred.defaults["total"], eager.defaults["total"])
     assert torch.equal(deferred.history[0], eager.history[0]) and deferred.history[1] == "not a tensor"
     assert torch.equal(deferred.alias, eager.alias) and torch.equal(deferred.linear.weight, eager.linear.weight)
+    assert deferred.placeholder.is_meta
 
 
 def test_torchmetrics_states_are_materialized():
@@ -436,11 +438,26 @@ def test_materializing_what_is_not_deferred_names_the_tensor_and_the_fix():
 def test_a_value_computed_from_a_hand_made_meta_tensor_names_the_tensor():
     outside = torch.empty(3, device="meta")
     with deferred_init():
-        module = nn.Module()
-        module.register_buffer("doubled", outside * 2)
-    assert is_deferred(module.doubled)
-    with pytest.raises(ValueError, match=r"doubled is computed from a meta tensor made outside its deferred_init"):
+        module = nn.Linear(3, 3)
+        module.register_buffer("mixed", module.bias + outside)
+    assert is_deferred(module.mixed)
+    with pytest.raises(ValueError, match=r"mixed is computed from a meta tensor made outside its deferred_init"):
         materialize_module(module, device=_CPU)
+
+
+def test_hand_made_meta_modules_inside_the_block_stay_meta_and_draw_nothing():
+    def build() -> nn.Module:
+        module = nn.Module()
+        module.before = nn.Linear(3, 3)
+        module.placeholder = nn.Linear(3, 3, device="meta")  # eagerly: meta, and its init draws nothing
+        module.after = nn.Linear(3, 3)
+        return module
+
+    eager, deferred = _build_both(build)
+    assert not is_deferred(deferred.placeholder.weight)
+    materialize_module(deferred.before, device=_CPU)
+    materialize_module(deferred.after, device=_CPU)
+    assert torch.equal(deferred.after.weight, eager.after.weight) and deferred.placeholder.weight.is_meta
 
 
 def test_materializing_inside_the_block_is_refused():
