@@ -1,12 +1,10 @@
-"""Delayed (meta-device) initialisation whose values are bit-identical to an eager build with the same seed.
+"""Delayed (meta-device) initialisation whose values are bit-identical to an eager CPU build with the same seed.
 
-Owns recording, while a model is built on the meta device, every aten op that gives its parameters and buffers their
-values, and replaying those ops per tensor on the CPU when a rank materialises what it keeps; it does not decide what a
-rank keeps (the strategy passes the cuts). It records ops (a ``TorchDispatchMode``) instead of calling ``to_empty()``
-and ``reset_parameters()`` afterwards because only the ops the constructors really ran reproduce an eager build: deep
-copies (``nn.TransformerEncoder``), re-initialisation in Hugging Face's ``post_init``, and the generator state each
-random op drew from. Each tensor is rebuilt whole, cut and freed (Megatron's CPU initialisation), so the peak is what
-a rank keeps plus about one tensor, and the values match one device whatever the layout.
+Owns recording the aten ops that give a model built on the meta device its parameter and buffer values, and replaying
+them per tensor when a rank materialises what it keeps (the strategy decides what: it passes the cuts). Recording
+rather than ``to_empty()`` + ``reset_parameters()``, because only the ops the constructors ran (deep copies,
+``post_init`` re-initialisation, the generator state each random op drew from) reproduce an eager build; each tensor
+is rebuilt whole, cut and freed (Megatron's CPU initialisation), so the peak is what a rank keeps plus one tensor.
 
 What a custom module needs to be materialisable
 ------------------------------------------------
@@ -584,9 +582,9 @@ def _checked(name: str, tensor: Tensor) -> tuple[_Recording, int]:
     if found is None:
         raise ValueError(
             f"{name} (shape {tuple(tensor.shape)}) is a meta tensor made outside deferred_init() (device='meta' by "
-            "hand, or a change such as module.half() or .to() after the block), so its values are unknown. Create "
-            "the module that owns it, and convert it, inside `with deferred_init():` (without device='meta'), or "
-            "build it eagerly."
+            "hand, or a copy or conversion made after the block: copy.deepcopy, module.half(), .to()), so its "
+            "values are unknown. Create the module that owns it, and copy or convert it, inside `with "
+            "deferred_init():` (without device='meta'), or do that after materialisation."
         )
     return found
 

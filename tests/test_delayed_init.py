@@ -431,7 +431,10 @@ def test_materializing_what_is_not_deferred_names_the_tensor_and_the_fix():
         materialize([(torch.zeros(2), lambda value: value)], device=_CPU)
     by_hand = nn.Linear(2, 2, device="meta")
     assert not is_deferred(by_hand.weight)
-    with pytest.raises(ValueError, match=r"weight \(shape \(2, 2\)\) is a meta tensor made outside deferred_init"):
+    with pytest.raises(
+        ValueError,
+        match=r"weight \(shape \(2, 2\)\) is a meta tensor made outside deferred_init\(\) \(device='meta' by hand",
+    ):
         materialize_module(by_hand, device=_CPU)
 
 
@@ -458,6 +461,13 @@ def test_hand_made_meta_modules_inside_the_block_stay_meta_and_draw_nothing():
     materialize_module(deferred.before, device=_CPU)
     materialize_module(deferred.after, device=_CPU)
     assert torch.equal(deferred.after.weight, eager.after.weight) and deferred.placeholder.weight.is_meta
+
+
+def test_a_copy_made_after_the_block_names_the_fix():
+    with deferred_init():
+        linear = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"a copy or conversion made after the block: copy.deepcopy"):
+        materialize_module(copy.deepcopy(linear), device=_CPU)
 
 
 def test_materializing_inside_the_block_is_refused():
