@@ -104,6 +104,18 @@ class _Ref:
     offset: int
     nbytes: int  # of the whole storage
 
+    @staticmethod
+    def of(tensor: Tensor, sid: int, version: int) -> _Ref:
+        return _Ref(
+            sid=sid,
+            version=version,
+            dtype=tensor.dtype,
+            size=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            offset=tensor.storage_offset(),
+            nbytes=tensor.untyped_storage().nbytes(),
+        )
+
     @property
     def node(self) -> tuple[int, int]:
         return (self.sid, self.version)
@@ -216,15 +228,7 @@ class _Recorder(TorchDispatchMode):
         return sid
 
     def _ref(self, tensor: Tensor, sid: int) -> _Ref:
-        return _Ref(
-            sid=sid,
-            version=self._recording.last_write.get(sid, -1),
-            dtype=tensor.dtype,
-            size=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            offset=tensor.storage_offset(),
-            nbytes=tensor.untyped_storage().nbytes(),
-        )
+        return _Ref.of(tensor, sid, self._recording.last_write.get(sid, -1))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -555,15 +559,7 @@ def _materialize(entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]], 
     by_recording: dict[int, tuple[_Recording, list[tuple[int, _Ref, Callable[[Tensor], Tensor], str]]]] = {}
     for position, (name, tensor, cut) in enumerate(entries):
         recording, sid = _checked(name, tensor)
-        ref = _Ref(
-            sid=sid,
-            version=recording.last_write[sid],
-            dtype=tensor.dtype,
-            size=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            offset=tensor.storage_offset(),
-            nbytes=tensor.untyped_storage().nbytes(),
-        )
+        ref = _Ref.of(tensor, sid, recording.last_write[sid])
         by_recording.setdefault(id(recording), (recording, []))[1].append((position, ref, cut, name))
     results: list[Tensor | None] = [None] * len(entries)
     for recording, targets in by_recording.values():
@@ -656,14 +652,12 @@ class _Replay:
         if self._uses[node] == 0:
             del self._live[node]
 
-    def _bind(self, node: tuple[int, int], storage: torch.UntypedStorage, slot: _Slot | None = None) -> None:
+    def _bind(self, node: tuple[int, int], slot: _Slot) -> None:
+        """Keep ``slot`` as the value of ``node`` while uses of the node are still to come."""
         uses = self._uses.get(node, 0)
-        if uses == 0:
-            return
-        if slot is None:
-            slot = _Slot(storage, 0)
-        slot.pending += uses
-        self._live[node] = slot
+        if uses:
+            slot.pending += uses
+            self._live[node] = slot
 
     @torch.no_grad()
     def _run(self, op: _Op) -> None:
@@ -705,7 +699,7 @@ class _Replay:
         for node in op.reads:
             self._use(node)
         for sid in op.writes:
-            self._bind((sid, op.index), storages[sid])
+            self._bind((sid, op.index), _Slot(storages[sid], 0))
         flat_out, _ = tree_flatten(out)
         for position, ref in op.fresh:
             value = flat_out[position]
@@ -717,7 +711,7 @@ class _Replay:
                 laid_out = torch.empty(ref.nbytes, dtype=torch.uint8, device=_CPU).untyped_storage()
                 ref.view(laid_out).copy_(value)
                 value = ref.view(laid_out)
-            self._bind((ref.sid, op.index), value.untyped_storage())
+            self._bind((ref.sid, op.index), _Slot(value.untyped_storage(), 0))
 
     def _share(self, op: _Op) -> bool:
         """A copy whose output has its input's layout shares the input's storage (copied only if later written)."""
@@ -733,7 +727,7 @@ class _Replay:
             out.nbytes,
         ):
             return False
-        self._bind(out.node, None, self._live[source.node])  # type: ignore[arg-type]
+        self._bind(out.node, self._live[source.node])
         return True
 
 
