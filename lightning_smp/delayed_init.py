@@ -579,8 +579,8 @@ def _checked(name: str, tensor: Tensor) -> tuple[_Recording, int]:
         raise ValueError(
             f"{name} (shape {tuple(tensor.shape)}) is a meta tensor made outside deferred_init() (device='meta' by "
             "hand, or a copy or conversion made after the block: copy.deepcopy, module.half(), .to()), so its "
-            "values are unknown. Create the module that owns it, and copy or convert it, inside `with "
-            "deferred_init():` (without device='meta'), or do that after materialisation."
+            "values are unknown. Build the module that owns it, and copy or convert it, inside `with "
+            "deferred_init():` (without device='meta'), or make the copy after materialisation."
         )
     return found
 
@@ -641,7 +641,10 @@ class _Replay:
             for position, ref, cut, name in self._groups[node]:
                 piece = cut(ref.view(slot.storage))
                 if not isinstance(piece, Tensor):
-                    raise TypeError(f"the cut for {name} returned {type(piece).__name__}, not a tensor")
+                    raise TypeError(
+                        f"the cut for {name} returned {type(piece).__name__}, not a tensor; make it return a tensor "
+                        "(e.g. a slice of the value it is given)"
+                    )
                 self._results[position] = torch.empty(piece.shape, dtype=piece.dtype, device=self._device).copy_(piece)
             self._use(node)
 
