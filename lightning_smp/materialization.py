@@ -18,7 +18,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_smp.delayed_init import is_deferred, materialize
-from lightning_smp.tensor_parallel.shard import TPShard, shard_of, slice_shard, take_meta_whole
+from lightning_smp.placement import TPShard
+from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard, take_meta_whole
 
 __all__ = ["has_meta_tensors", "materialize_kept"]
 
@@ -73,7 +74,7 @@ def _source(name: str, tensor: Tensor) -> tuple[Tensor, Callable[[Tensor], Tenso
 
 
 def _cut(value: Tensor, *, shard: TPShard) -> Tensor:
-    return slice_shard(value, shard.spec, shard.index, shard.parts)
+    return slice_shard(value, ShardSpec(shard.dim, shard.blocks), shard.index, shard.parts)
 
 
 def _whole(value: Tensor) -> Tensor:

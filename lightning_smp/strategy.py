@@ -426,7 +426,7 @@ class SMPStrategy(DDPStrategy):
             )
             module.log(f"skipped_steps{suffix}", optimizer.skipped_steps, on_step=True, on_epoch=False)
 
-    # -- checkpoints: every rank saves and loads its own part (lightning_smp/checkpoint.py) -----------------------
+    # -- checkpoints: every rank saves and loads its own part (lightning_smp/checkpoint/) -------------------------
 
     @property
     @override
@@ -511,7 +511,7 @@ class SMPStrategy(DDPStrategy):
         `fault_tolerance.close_process_groups`), so that they are freed while Python is whole."""
         for module in self.model.modules() if self.model is not None else ():
             if isinstance(module, tensor_parallel.TensorParallelModule):
-                module.forget_tensor_parallel_group()
+                module.tp_forget_group()
             if isinstance(module, Metric):
                 module.process_group = None
         for optimizer in self.optimizers:

@@ -271,7 +271,7 @@ def _on_meta(module: nn.Module) -> nn.Module:
         for name, buffer in sub._buffers.items():
             if buffer is not None:
                 sub._buffers[name] = torch.empty_like(buffer, device="meta")
-        forget_group = getattr(sub, "forget_tensor_parallel_group", None)
+        forget_group = getattr(sub, "tp_forget_group", None)
         if forget_group is not None:
             forget_group()  # the whole-layer forward: no collective on meta tensors
     return module
