@@ -25,7 +25,7 @@ from lightning_smp import SMPStrategy
 from lightning_smp.materialization import materialize_kept
 from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard
 from tests.distributed import run_distributed
-from tests.models import quiet_trainer
+from tests.models import quiet_trainer, small_cnn
 
 STEPS = 6
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
@@ -104,15 +104,7 @@ class CNN(_Built):
     """The whole model is one nn.Sequential (the trunk)."""
 
     def build(self) -> None:
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(4, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(8 * 4 * 4, 10),
-        )
+        self.net = small_cnn()
         self.built = True
 
     def training_step(self, batch, batch_idx):

@@ -20,7 +20,7 @@ from lightning_smp import SMPStrategy, smp
 from lightning_smp.loss_scaler import DynamicLossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer
 from tests.distributed import run_distributed
-from tests.models import quiet_trainer
+from tests.models import quiet_trainer, small_cnn
 
 STEPS = 10
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
@@ -121,17 +121,7 @@ class TinyCNN(pl.LightningModule):
 
     def __init__(self, *, batch_size: int = 8, samples: int = 80, checkpoint: str | None = None) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(4, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(8, 8, 3, padding=1),
-            nn.Tanh(),
-            nn.Flatten(),
-            nn.Linear(8 * 4 * 4, 10),
-        )
+        self.net = small_cnn()
         if checkpoint:
             smp.set_activation_checkpointing(self.net, strategy=checkpoint)
         self.batch_size = batch_size
