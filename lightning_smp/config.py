@@ -59,8 +59,6 @@ _INACTIVE_SETTINGS: dict[str, str] = {
     "contiguous": "it is a TensorFlow-only smp setting",
     "deterministic_server": "there is no execution server; every rank runs the same fixed pipeline schedule",
     "skip_tracing": "lightning_smp never traces the model",
-    "offload_activations": "activation offloading is not implemented",
-    "activation_loading_horizon": "activation offloading is not implemented",
     "shard_optimizer_state": "optimizer state sharding is not implemented",
     "sharded_data_parallel_degree": "sharded data parallelism is not implemented",
     "sdp_reduce_bucket_size": "sharded data parallelism is not implemented",
@@ -79,7 +77,7 @@ _INT_MINIMUMS: dict[str, tuple[int, str]] = {
     "pipeline_parallel_degree": (1, "the number of pipeline stages; 1 means no pipelining"),
     "tensor_parallel_degree": (1, "the number of ranks each tensor-parallel layer is split over"),
     "microbatches": (1, "the number of pieces each batch is split into; 1 means no pipelining"),
-    "activation_loading_horizon": (0, "how many offloaded activations may wait on the GPU"),
+    "activation_loading_horizon": (0, "how many checkpointed modules' offloaded inputs are loaded back ahead"),
     "sharded_data_parallel_degree": (1, "1 means no sharded data parallelism"),
     "tensor_parallel_seed": (0, "the seed of random ops inside tensor-parallel layers"),
     "sdp_reduce_bucket_size": (1, "elements per gradient bucket"),
@@ -157,9 +155,12 @@ class SMPConfig:
     deterministic_server: bool = False
     """smp: make the pipeline execution server run requests in the same order on every data-parallel rank."""
     offload_activations: bool = False
-    """smp: move checkpointed activations to CPU memory during forward, back for backward."""
+    """smp: keep the inputs that checkpointed modules save for their backward in host memory (pinned on a GPU)
+    from the end of their forward until their backward loads them back. Needs modules marked with
+    smp.set_activation_checkpointing; unlike smp, also with microbatches=1."""
     activation_loading_horizon: int = 4
-    """smp: how many offloaded activations may be back on the GPU awaiting their backward."""
+    """smp: with offload_activations, how many checkpointed modules' inputs are loaded back onto the device
+    ahead of their backward (0: each when its backward starts)."""
     fp16: bool = False
     """Train with fp16 parameters, fp32 master weights in the optimizer and loss scaling."""
     bf16: bool = False

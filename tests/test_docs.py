@@ -199,6 +199,7 @@ _GROUP_OF_PATH = {
     "topology.py": "Launching and failures",
     "fault_tolerance.py": "Launching and failures",
     "activation_checkpointing.py": "Model creation and memory",
+    "activation_offloading.py": "Model creation and memory",
     "delayed_init.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
