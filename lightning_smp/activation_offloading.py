@@ -1,13 +1,9 @@
-"""Activation offloading: smp's ``offload_activations`` and ``activation_loading_horizon``.
-
-Owns where the inputs a checkpointed module keeps for its recomputation wait between its forward and its backward:
-in host memory (pinned on a GPU), copied there as the forward ends and loaded back for the backward, with up to
-``activation_loading_horizon`` earlier modules' inputs loaded ahead. Which modules are checkpointed, and the
-recomputation, are `activation_checkpointing`'s. Built on ``torch.autograd.graph.saved_tensors_hooks`` around each
-checkpointed forward: ``torch.utils.checkpoint`` saves its inputs through them (its own hooks take the tensors saved
-inside), so exactly those inputs move. ``save_on_cpu`` has such hooks but loads a tensor only when backward asks
-for it, on the compute stream, so the copy stalls the backward; here the loads run on a side stream, so on a GPU
-loading the next modules' inputs overlaps this module's recomputation and backward (on a CPU nothing moves).
+"""Activation offloading (smp's ``offload_activations``, ``activation_loading_horizon``): where the inputs a
+checkpointed module keeps for its recomputation wait between its forward and its backward; which modules are
+checkpointed is `activation_checkpointing`'s. Built on ``torch.autograd.graph.saved_tensors_hooks`` around each
+checkpoint, through which ``torch.utils.checkpoint`` saves exactly those inputs: they go to host memory (pinned on a
+GPU) as the forward ends. ``save_on_cpu`` would load each only when backward asks, on the compute stream, stalling
+it; here up to ``horizon`` modules are loaded ahead on a side stream, so on a GPU the copies overlap the backward.
 """
 
 from __future__ import annotations
