@@ -416,7 +416,7 @@ class SMPStrategy(DDPStrategy):
             )
             module.log(f"skipped_steps{suffix}", optimizer.skipped_steps, on_step=True, on_epoch=False)
 
-    # -- checkpoints: every rank saves and loads its own part (lightning_smp/checkpoint.py) -----------------------
+    # -- checkpoints: every rank saves and loads its own part (lightning_smp/checkpoint/) -------------------------
 
     @property
     @override

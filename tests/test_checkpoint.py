@@ -23,7 +23,7 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
-from lightning_smp.checkpoint import CheckpointError
+from lightning_smp.checkpoint import CheckpointError, loading, storage
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, quiet_trainer
@@ -485,7 +485,7 @@ def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_p
     staging.mkdir()
     (staging / checkpoint.META_FILENAME).write_text("new")
     calls = []
-    real_replace = checkpoint.os.replace
+    real_replace = storage.os.replace
 
     def crash_on_second(source, destination):
         calls.append(source)
@@ -493,13 +493,13 @@ def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_p
             raise KeyboardInterrupt  # the process dies between moving the old checkpoint aside and renaming the new
         real_replace(source, destination)
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash_on_second)
+    monkeypatch.setattr(storage.os, "replace", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint._publish(staging, path)
+        storage.publish(staging, path)
     assert not path.exists()
     assert checkpoint.resolve(path) == tmp_path / "last.ckpt.previous"  # whole, and loaded with a warning
     monkeypatch.undo()
-    checkpoint._publish(staging, path)  # the next save of the same name completes the swap
+    storage.publish(staging, path)  # the next save of the same name completes the swap
     assert (path / checkpoint.META_FILENAME).read_text() == "new"
     assert not (tmp_path / "last.ckpt.previous").exists()
 
@@ -566,8 +566,8 @@ def test_names_the_checkpoint_lacks_or_has_extra_are_listed(tmp_path):
         for name, shape in {"net.0.weight": (16, 8), "net.0.bias": (16,), "head.weight": (1, 16)}.items()
     }
     metadata = Metadata(state_dict_metadata=saved)
-    targets = checkpoint._model_targets(TinyRegressor(), [])
-    problems = checkpoint._model_problems(targets, metadata, strict=True)
-    problems += checkpoint._unexpected_problems(metadata, set(targets))
+    targets = loading._model_targets(TinyRegressor(), [])
+    problems = loading._model_problems(targets, metadata, strict=True)
+    problems += loading._unexpected_problems(metadata, set(targets))
     assert "this model has 2 entries the checkpoint lacks: net.2.weight, net.2.bias" in problems[0]
     assert "it has 1 entries this model lacks: head.weight" in problems[1]
