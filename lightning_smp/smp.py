@@ -122,9 +122,17 @@ class RunRecord:
 
     @classmethod
     def from_topology(
-        cls, topology: Topology, *, config: SMPConfig, local_rank: int, local_size: int, **callables: Any
+        cls,
+        topology: Topology,
+        *,
+        config: SMPConfig,
+        local_rank: int,
+        local_size: int,
+        wrap_optimizer: Callable[..., Optimizer] | None,
+        save_checkpoint: Callable[[Path, Any], None],
+        load_checkpoint: Callable[[Path, bool, bool], Mapping[str, Any] | None],
     ) -> RunRecord:
-        """The record of a run laid out as ``topology``; ``callables`` are the fields after ``group``."""
+        """The record of a running job laid out as ``topology`` (smp's axis names mapped onto ours)."""
         ranks = {axis: topology.rank(ours) for axis, ours in _AXES.items()}
         sizes = {axis: topology.size(ours) for axis, ours in _AXES.items()}
         return cls(
@@ -132,7 +140,9 @@ class RunRecord:
             ranks=MappingProxyType({**ranks, "local": local_rank}),
             sizes=MappingProxyType({**sizes, "local": local_size}),
             group=lambda axis: topology.group(_AXES[axis]),
-            **callables,
+            wrap_optimizer=wrap_optimizer,
+            save_checkpoint=save_checkpoint,
+            load_checkpoint=load_checkpoint,
         )
 
     @property
