@@ -123,12 +123,18 @@ def llama_pp2(tmp_path_factory) -> tuple[Path, dict]:
 # -- the plain LightningModule ---------------------------------------------------------------------------------------
 
 
+def _load_where_no_run_started(rank: int, consolidated: str) -> dict:
+    model = _GPT.load_from_checkpoint(consolidated)  # calls configure_model, then load_state_dict(strict=True)
+    with torch.no_grad():
+        return {"loss": model.loss(HELD_OUT).item(), "tp_size": smp.tp_size(), "initialized": smp.state.initialized}
+
+
 @pytest.mark.timeout(500)
 def test_load_from_checkpoint_outside_a_trainer_gives_the_runs_validation_loss(gpt_pp2_tp2):
     consolidated, run = gpt_pp2_tp2
-    model = _GPT.load_from_checkpoint(consolidated)  # calls configure_model, then load_state_dict(strict=True)
-    with torch.no_grad():
-        assert model.loss(HELD_OUT).item() == pytest.approx(run["validated"], rel=1e-5)
+    (fresh,) = run_distributed(_load_where_no_run_started, 1, str(consolidated), timeout=100)
+    assert (fresh["tp_size"], fresh["initialized"]) == (1, False)  # the facade answers as one process
+    assert fresh["loss"] == pytest.approx(run["validated"], rel=1e-5)
     # and in the run's own process once it has ended, where smp.tp_size() still says 2
     assert run["tp_size_after_the_run"] == 2
     assert run["loaded_after_the_run"] == pytest.approx(run["validated"], rel=1e-5)
