@@ -8,7 +8,6 @@ checkpoint-level round trip of hand-made tensor-parallel shards (packed q/k/v bl
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
 from lightning_smp.checkpoint import CheckpointError, loading, storage
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
+from lightning_smp.placement import TPShard, place_tp_shard
 from tests.distributed import run_distributed
 from tests.gpt import TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
@@ -171,16 +171,6 @@ def _resume_gpt(layouts, root):
 # -- tensor-parallel shards, by hand ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Shard:
-    """The fields of lightning_smp.tensor_parallel.shard.TPShard that checkpoints read."""
-
-    dim: int
-    index: int
-    parts: int
-    blocks: int = 1
-
-
 def _slice(whole, dim, blocks, index, parts):
     return torch.cat([block.chunk(parts, dim=dim)[index] for block in whole.chunk(blocks, dim=dim)], dim=dim)
 
@@ -211,7 +201,7 @@ def _sharded_module(rank):
     module = _whole_module()
     for name, (dim, blocks) in _TP_SPECS.items():
         piece = nn.Parameter(_slice(getattr(module, name).detach(), dim, blocks, rank, 2))
-        piece._smp_tp_shard = _Shard(dim, rank, 2, blocks)
+        place_tp_shard(piece, TPShard(dim, rank, 2, blocks))
         setattr(module, name, piece)
     return module
 

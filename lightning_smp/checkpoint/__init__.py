@@ -3,10 +3,10 @@
 Owns the on-disk format, publishing a checkpoint atomically, verifying it before use, and the mapping between
 what a rank holds (fp32 master weights, tensor-parallel shards, optimizer state keyed by parameter position) and
 global parameter names. Not owned: when Lightning saves or loads (the strategy's hooks), the masters themselves
-(`optimizer.py`), the shard arithmetic (`tensor_parallel/shard.py`, whose `TPShard` attribute we read).
+(`optimizer.py`), which piece of a parameter a rank holds (`placement.py`, whose `placement_of` we read).
 Built on torch.distributed.checkpoint (DCP): it writes one file per rank, keeps one copy of each replicated tensor,
 records every tensor's global shape and chunks, and reads any chunk layout into any other, which is resharding.
-We add the name mapping, tensor-parallel shards as chunks of the global tensor (any ``TPShard``, packed blocks
+We add the name mapping, tensor-parallel pieces as chunks of the global tensor (any ``TPShard``, packed blocks
 included, without DTensor), a temporary directory renamed into place, per-file checksums, and errors that name
 the file, the rank and the parameter.
 

@@ -2,7 +2,7 @@
 
 Owns what DCP is handed for each entry (a tensor, or this rank's chunks of a tensor-parallel one) and our save and
 load planners, which look those chunks up. Not owned: which entries a checkpoint has (`saving.py`, `loading.py`)
-or the shard arithmetic (`tensor_parallel/shard.py`). DCP reads any chunk layout into any other, which is
+or which piece a rank holds (`placement.py`). DCP reads any chunk layout into any other, which is
 resharding; describing our shards as chunks (packed q/k/v blocks included) gets that without DTensor.
 """
 
@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from lightning_smp.checkpoint.verification import CheckpointError
+from lightning_smp.placement import TPShard
 
 __all__ = [
     "LoadPlanner",
@@ -44,9 +45,9 @@ class ShardChunks:
     DTensor implements (``__create_write_items__``, ``__create_chunk_list__``); our planners look the chunks up.
     """
 
-    def __init__(self, local: Tensor, shard: Any) -> None:
+    def __init__(self, local: Tensor, shard: TPShard) -> None:
         self.local = local
-        dim, blocks, parts, index = shard.dim, getattr(shard, "blocks", 1), shard.parts, shard.index
+        dim, blocks, parts, index = shard.dim, shard.blocks, shard.parts, shard.index
         size = list(local.shape)
         size[dim] *= parts
         self._size = torch.Size(size)
@@ -120,14 +121,14 @@ def global_size(value: Any) -> torch.Size:
     return value.size() if isinstance(value, ShardChunks) else value.shape
 
 
-def stored(value: Any, shard: Any) -> Any:
+def stored(value: Any, shard: TPShard | None) -> Any:
     """What DCP writes for one value: the tensor itself, or this rank's chunks of the global tensor."""
     if shard is None or not isinstance(value, Tensor):
         return value
     return ShardChunks(value, shard)
 
 
-def stored_like_param(value: Any, param: Tensor | None, shard: Any, entry: str) -> Any:
+def stored_like_param(value: Any, param: Tensor | None, shard: TPShard | None, entry: str) -> Any:
     """What DCP writes for one optimizer state tensor: chunked as its parameter when it is shaped like it."""
     if shard is None or not isinstance(value, Tensor) or value.dim() == 0:
         return value
@@ -141,7 +142,7 @@ def stored_like_param(value: Any, param: Tensor | None, shard: Any, entry: str) 
     )
 
 
-def state_target(info: TensorStorageMetadata, param: Tensor | None, shard: Any) -> Any:
+def state_target(info: TensorStorageMetadata, param: Tensor | None, shard: TPShard | None) -> Any:
     """Where one saved optimizer state tensor loads: this rank's chunks when it is shaped like its parameter."""
     dtype = info.properties.dtype
     if shard is not None and param is not None and tuple(info.size) == tuple(global_size(ShardChunks(param, shard))):

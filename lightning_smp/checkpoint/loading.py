@@ -29,7 +29,6 @@ from lightning_smp.checkpoint.names import (
     masters_by_param,
     names_of_optimized,
     params_by_name,
-    shard_of,
     shards_by_name,
     unwrap,
 )
@@ -46,6 +45,7 @@ from lightning_smp.checkpoint.verification import (
     resolve,
 )
 from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.placement import placement_of
 
 __all__ = ["load", "load_plain"]
 
@@ -158,7 +158,7 @@ def _model_targets(module: nn.Module, optimizers: Sequence[Any]) -> dict[str, An
     for name, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, Tensor):
             source = masters.get(id(value), value).detach()
-            targets[f"{MODEL}{name}"] = stored(source, shard_of(value))
+            targets[f"{MODEL}{name}"] = stored(source, placement_of(value).tp_shard)
         else:
             targets[f"{MODEL}{name}"] = None  # extra state (`get_extra_state`): read back as an object
     return targets

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.checkpoint.verification import CheckpointError
 from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.placement import TPShard, placement_of
 
 __all__ = [
     "MODEL",
@@ -29,15 +30,11 @@ __all__ = [
     "names_of_optimized",
     "optimizer_state_dict",
     "params_by_name",
-    "shard_of",
     "shards_by_name",
     "unwrap",
 ]
 
 MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # the entries' prefixes (see the package's docstring)
-# The attribute a tensor-parallel parameter carries (lightning_smp/tensor_parallel/shard.py: SHARD_ATTRIBUTE); its
-# value has ``dim``, ``index``, ``parts`` and ``blocks``. Read by name so that checkpoints do not import layers.
-_SHARD_ATTRIBUTE = "_smp_tp_shard"
 
 
 def model_state_dict(module: nn.Module, optimizers: Sequence[Any] = ()) -> dict[str, Any]:
@@ -118,14 +115,10 @@ def params_by_name(module: nn.Module) -> dict[str, Tensor]:
     return dict(module.named_parameters(remove_duplicate=False))
 
 
-def shard_of(value: Any) -> Any:
-    """The tensor-parallel shard ``value`` is (``dim``, ``index``, ``parts``, ``blocks``), or None when whole."""
-    return getattr(value, _SHARD_ATTRIBUTE, None)
-
-
-def shards_by_name(module: nn.Module) -> dict[str, Any]:
+def shards_by_name(module: nn.Module) -> dict[str, TPShard]:
+    """The module's tensor-parallel pieces on this rank, by name (a tensor held whole is not listed)."""
     return {
         name: shard
         for name, value in module.state_dict(keep_vars=True).items()
-        if (shard := shard_of(value)) is not None
+        if isinstance(value, Tensor) and (shard := placement_of(value).tp_shard) is not None
     }

@@ -13,6 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_smp.tensor_parallel.base import TensorParallelModule
+from lightning_smp.tensor_parallel.rng import TensorParallelRNG
+
 __all__ = ["rng_states", "set_rng_states"]
 
 
@@ -46,11 +49,10 @@ def set_rng_states(states: dict[str, Any], module: nn.Module) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def _tensor_parallel_rng(module: nn.Module) -> Any:
+def _tensor_parallel_rng(module: nn.Module) -> TensorParallelRNG | None:
     """The dropout stream of this rank's sharded regions (one per rank, shared by its tensor-parallel layers:
-    ``module._tp.rng``, see lightning_smp/tensor_parallel/base.py), or None without tensor parallelism."""
+    their ``tp_context.rng``), or None without tensor parallelism."""
     for layer in module.modules():
-        context = getattr(layer, "_tp", None)
-        if context is not None and hasattr(context, "rng"):
-            return context.rng
+        if isinstance(layer, TensorParallelModule) and layer.tp_context is not None:
+            return layer.tp_context.rng
     return None

@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
-from lightning_smp.optimizer import mark_norm_duplicate
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
 from lightning_smp.pipeline.p2p import NOTHING, Transport
@@ -45,6 +44,7 @@ from lightning_smp.pipeline.partition import (
 )
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter
 from lightning_smp.pipeline.trace import measure_children
+from lightning_smp.placement import mark_norm_duplicate
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -106,7 +106,7 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
     router = TrunkRouter(trunk, plan, stage)
     if topology.pp > 1 and topology.is_last_stage:
         for param in tied:
-            mark_norm_duplicate(param)  # the first stage's copy counts in the global norm
+            mark_norm_duplicate(param, axis="pp")  # the first stage's copy counts in the global norm
     return PipelineEngine(
         module, plan=plan, router=router, topology=topology, config=config, tied=tied, outside=outside
     )

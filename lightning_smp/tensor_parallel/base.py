@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_smp.placement import TPShard, place_tp_shard
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
-from lightning_smp.tensor_parallel.shard import SHARD_ATTRIBUTE, ShardSpec, TPShard, shard_of, slice_shard
+from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard
 
 __all__ = ["TensorParallel", "TensorParallelModule"]
 
@@ -54,6 +55,15 @@ class TensorParallelModule(nn.Module):
         """Whether this module holds shards (``parallelize`` has run), rather than the whole layer."""
         return self._tp is not None
 
+    @property
+    def tp_context(self) -> TensorParallel | None:
+        """The tensor-parallel group, rank and dropout stream this module's forward uses; None until it is split."""
+        return self._tp
+
+    def tp_forget_group(self) -> None:
+        """Drop this module's reference to its tensor-parallel group (at teardown, once the groups are destroyed)."""
+        self._tp = None
+
     @classmethod
     def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
         """Parameter names (relative to ``module``) that are split, and how; the others stay replicated.
@@ -84,7 +94,7 @@ class TensorParallelModule(nn.Module):
 def shard_parameter(
     module: nn.Module, name: str, spec: ShardSpec, tp: TensorParallel, shared: dict[int, nn.Parameter]
 ) -> None:
-    """Replace ``module.<name>`` by this rank's slice (marked with its `TPShard`); a no-op if already sharded."""
+    """Replace ``module.<name>`` by this rank's slice (placed as its `TPShard`); a no-op if already sharded."""
     whole = module._parameters[name]
     if whole is None or shard_of(whole) is not None:
         return
@@ -93,6 +103,6 @@ def shard_parameter(
         with torch.no_grad():
             data = slice_shard(whole.detach(), spec, tp.rank, tp.size).clone(memory_format=torch.contiguous_format)
         piece = nn.Parameter(data, requires_grad=whole.requires_grad)
-        setattr(piece, SHARD_ATTRIBUTE, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
+        place_tp_shard(piece, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
         shared[id(whole)] = piece
     module._parameters[name] = piece

@@ -18,7 +18,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from lightning_smp.optimizer import mark_norm_duplicate
+from lightning_smp.placement import mark_norm_duplicate
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG, sync_default_generator, tensor_parallel_seed
@@ -72,7 +72,7 @@ def parallelize(model: nn.Module, *, topology: Topology, config: SMPConfig) -> n
             continue
         replicated += param.numel()
         if tp.rank > 0:
-            mark_norm_duplicate(param)  # tp-rank 0 counts the replicated values in the global norm
+            mark_norm_duplicate(param, axis="tp")  # tp-rank 0 counts the replicated values in the global norm
     log.info(
         "tensor parallelism: split %d module(s) over tp=%d; this rank holds %d sharded + %d replicated parameters",
         len(plan.units),

@@ -1,9 +1,10 @@
 """Where a tensor-parallel parameter's values come from: the one definition of a shard, and its pure arithmetic.
 
-Owns ``TPShard`` (stored on every sharded parameter as ``param._smp_tp_shard``), cutting a whole tensor into this
-rank's shard, and putting the shards back together (in memory, or across the group for tests and checkpoints).
-It does not decide what to shard (``plan.py``) nor when (``parallelize.py``). A parameter without the attribute
-is replicated: every rank of the tensor-parallel group holds the same whole tensor.
+Owns ``ShardSpec``, cutting a whole tensor into this rank's shard, and putting the shards back together (in
+memory, or across the group for tests and checkpoints). It does not decide what to shard (``plan.py``) nor when
+(``parallelize.py``), nor record which piece a parameter is (its `lightning_smp.placement.Placement`, whose
+``tp_shard`` is a `TPShard`). A parameter without a ``tp_shard`` is replicated: every rank of the tensor-parallel
+group holds the same whole tensor.
 """
 
 from __future__ import annotations
@@ -15,10 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["SHARD_ATTRIBUTE", "ShardSpec", "TPShard", "gather_shards", "merge_shards", "shard_of", "slice_shard"]
+from lightning_smp.placement import TPShard, placement_of
 
-SHARD_ATTRIBUTE = "_smp_tp_shard"
-"""Name of the attribute a sharded parameter carries; its value is a `TPShard`."""
+__all__ = ["ShardSpec", "gather_shards", "merge_shards", "shard_of", "slice_shard"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,28 +35,9 @@ class ShardSpec:
     blocks: int = 1
 
 
-@dataclass(frozen=True, slots=True)
-class TPShard:
-    """What one rank holds of a tensor-parallel parameter: piece ``index`` of ``parts`` of each block (`ShardSpec`)."""
-
-    dim: int
-    index: int
-    parts: int
-    blocks: int = 1
-
-    @property
-    def spec(self) -> ShardSpec:
-        return ShardSpec(self.dim, self.blocks)
-
-    def global_shape(self, local: Tensor) -> torch.Size:
-        shape = list(local.shape)
-        shape[self.dim] *= self.parts
-        return torch.Size(shape)
-
-
 def shard_of(tensor: Tensor) -> TPShard | None:
-    """The shard ``tensor`` holds, or None when it is replicated (not tensor-parallel)."""
-    return getattr(tensor, SHARD_ATTRIBUTE, None)
+    """The shard ``tensor`` holds, or None when it is replicated (not tensor-parallel): its placement's ``tp_shard``."""
+    return placement_of(tensor).tp_shard
 
 
 def slice_shard(whole: Tensor, spec: ShardSpec, index: int, parts: int) -> Tensor:
@@ -90,4 +71,4 @@ def gather_shards(local: Tensor, shard: TPShard | None, group: dist.ProcessGroup
         return local
     pieces = [torch.empty_like(local) for _ in range(shard.parts)]
     dist.all_gather(pieces, local.detach().contiguous(), group=group)
-    return merge_shards(pieces, shard.spec)
+    return merge_shards(pieces, ShardSpec(shard.dim, shard.blocks))
