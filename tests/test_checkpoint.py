@@ -26,6 +26,7 @@ from lightning_smp.placement import TPShard, place_tp_shard
 from tests.distributed import run_distributed
 from tests.gpt import TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
+from tests.parity import FP16_REL, mean_losses, one_process
 
 STEPS_PER_EPOCH = 4  # 64 samples, 2 ranks x 8 (or 1 rank x 16) per step
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**12, "scale_window": 3}}
@@ -336,12 +337,7 @@ def dp2(root, pp2_tp2):
 
 @pytest.fixture(scope="module")
 def dp1(root, dp2):
-    (result,) = run_distributed(_dp1_job, 1, str(root), timeout=150)
-    return result
-
-
-def _mean_losses(ranks, name, part):
-    return [(a + b) / 2 for a, b in zip(ranks[0][name][part]["losses"], ranks[1][name][part]["losses"], strict=True)]
+    return one_process(_dp1_job, str(root), timeout=150)
 
 
 @pytest.mark.timeout(300)
@@ -368,15 +364,15 @@ def test_pp2_tp2_resumes_under_tp2_pp2_and_one_device_within_fp16_tolerance(pp2_
     resumed = {**dp2[0]["gpt"], **dp1["gpt"]}
     assert set(resumed) == {"tp2", "pp2", "one_device"}
     for layout, losses in resumed.items():
-        assert losses == pytest.approx(expected, rel=2e-2), layout
+        assert losses == pytest.approx(expected, rel=FP16_REL), layout
 
 
 @pytest.mark.timeout(300)
 def test_resume_from_dp2_on_one_device_continues_within_fp16_tolerance(dp2, dp1):
-    expected = _mean_losses(dp2, "fp16", "full")[STEPS_PER_EPOCH:]
-    assert dp1["dp1_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+    expected = mean_losses([rank["fp16"]["full"] for rank in dp2])[STEPS_PER_EPOCH:]
+    assert dp1["dp1_fp16"]["losses"] == pytest.approx(expected, rel=FP16_REL)
     # and with another precision: the fp32 and bf16 runs continue from the fp16 run's masters
-    assert dp1["dp1_fp32_from_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+    assert dp1["dp1_fp32_from_fp16"]["losses"] == pytest.approx(expected, rel=FP16_REL)
     assert dp1["dp1_bf16_from_fp16"]["losses"] == pytest.approx(expected, rel=5e-2)  # bf16 keeps 8 mantissa bits
 
 
