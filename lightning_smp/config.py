@@ -42,12 +42,31 @@ _OWN_FIELDS = frozenset(
         "tensor_parallel_plan",
     }
 )
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "vocab", "auto", "replicate")
-"""Styles of a ``tensor_parallel_plan`` entry: "colwise" (an nn.Linear split by output features; its output stays
-split), "rowwise" (an nn.Linear split by input features; takes a split input, e.g. a "colwise" output, and
-returns the whole output), "vocab" (an nn.Embedding split along the vocabulary), "auto" (a layer lightning_smp
-splits by itself: nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding),
-"replicate" (keep the module and everything in it whole)."""
+TENSOR_PARALLEL_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "packed_colwise",
+    "embedding_rowwise",
+    "vocab",
+    "replicated_with_grad_allreduce",
+    "auto",
+    "replicate",
+)
+"""Styles of a ``tensor_parallel_plan`` entry, named as Hugging Face transformers names them where they mean the
+same: "colwise" (an nn.Linear split by output features; its output stays split), "rowwise" (an nn.Linear split by
+input features; takes a split input, e.g. a "colwise" output, and returns the whole output), "colwise_gather_output"
+(= "colwise_rep": "colwise" with the output all-gathered, e.g. a language-model head), "rowwise_split_input"
+(= "rowwise_rep": "rowwise" that splits a whole input itself), "packed_colwise" (an nn.Linear holding two weights
+packed along its output, such as a fused [gate; up] projection: each rank keeps its part of each), "embedding_rowwise"
+(= "vocab": an nn.Embedding split along the vocabulary), "replicated_with_grad_allreduce" (any module kept whole
+whose parameter gradients are summed over the tensor-parallel ranks, e.g. a per-head norm between a "colwise" and a
+"rowwise" layer), "auto" (a layer lightning_smp splits by itself: nn.TransformerEncoderLayer,
+nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding, GPT-2's attention), "replicate" (keep the module and
+everything in it whole)."""
 
 # smp settings that lightning_smp accepts but that change nothing yet: field -> why. When a feature lands,
 # delete its line here; `SMPConfig.inactive_settings` reads only this table.
