@@ -232,9 +232,13 @@ class SMPConfig:
     multiple of pipeline_parallel_degree; ``partition`` then gives one size per chunk."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
-    one component) mapped to a style of ``TENSOR_PARALLEL_STYLES``, for example
+    one component) mapped to a style: colwise, rowwise, colwise_gather_output (= colwise_rep), rowwise_split_input
+    (= rowwise_rep), packed_colwise, embedding_rowwise (= vocab), replicated_with_grad_allreduce, auto or replicate
+    (Hugging Face transformers' names; docs/concepts.md, "Plan styles", says what each does), for example
     ``{"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}``; stored read-only. Applies on top of
-    ``smp.tensor_parallelism()``; a pattern that matches no module raises when training starts."""
+    ``smp.tensor_parallelism()`` and of the plan of a Hugging Face transformers model created tensor-parallel
+    (``model.tp_plan``), whose entries for the same modules it overrides; a pattern that matches no module raises
+    when training starts."""
 
     def __post_init__(self) -> None:
         # With `from __future__ import annotations` field types are strings, hence "bool".

@@ -242,3 +242,18 @@ def test_bert_encoder_layers_split_by_the_built_in_plan():
         "encoder.layer.0.intermediate.dense",
         "encoder.layer.0.output.dense",
     ]
+
+
+def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the_concepts():
+    from pathlib import Path
+
+    from lightning_smp.config import TENSOR_PARALLEL_STYLES
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    reference = next(
+        line for line in (docs / "configuration.md").read_text().splitlines() if "tensor_parallel_plan" in line
+    )
+    concepts = (docs / "concepts.md").read_text()
+    for style in TENSOR_PARALLEL_STYLES:
+        assert style in reference, style
+        assert f"`{style}`" in concepts.partition("### Plan styles")[2].partition("###")[0], style
