@@ -3,9 +3,10 @@
 Tiny random-init models built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=...)``, with no
 ``tensor_parallel_plan``: a Llama with grouped-query attention (4 heads, 2 key/value heads; its plan: q/k/v/gate/up
 "colwise", o/down "rowwise", the embedding "embedding_rowwise", the head "colwise_gather_output"), GPT-2 (no plan of
-its own, ``Conv1D`` layers: lightning_smp's built-in plan), Qwen3 (per-head norms "replicated_with_grad_allreduce")
-and Phi-3 (a fused gate_up projection, its plan overridden by the user's: "packed_colwise"). Three launches: one
-process (the references), two (tp=2), four (pp=2 x tp=2, fp16). Pure planning checks run without processes.
+its own, ``Conv1D`` layers: lightning_smp's built-in plan), Qwen3 (per-head norms "replicated_with_grad_allreduce"),
+Phi-3 (a fused gate_up projection, its plan overridden by the user's: "packed_colwise") and BERT (built-in plan).
+Three launches: one process (the references), two (tp=2), four (pp=2 x tp=2, fp16). Pure planning checks run without
+processes.
 """
 
 import os
@@ -43,6 +44,10 @@ def _build(kind: str) -> torch.nn.Module:
     if kind == "phi3":
         config = transformers.Phi3Config(**SMALL, num_attention_heads=4, num_key_value_heads=2, **TOKENS)
         return transformers.Phi3ForCausalLM(config)
+    if kind == "bert":
+        dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
+        config = transformers.BertConfig(**SMALL, num_attention_heads=4, max_position_embeddings=SEQ, **dropout)
+        return transformers.BertForMaskedLM(config)
     assert kind == "gpt2"
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, **TOKENS, **dict.fromkeys(_GPT2_DROPOUT, 0.0)
@@ -107,6 +112,7 @@ def _fit(rank: int, kind: str, strategy_kwargs: dict, extra_plan: dict[str, str]
         "bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "planned": named,
         "whole": [name for name in named if shard_of(model.get_submodule(name).weight) is None],
+        "sharded": sorted(name for name, p in model.named_parameters() if shard_of(p) is not None),
         "warnings": [str(w.message) for w in caught if "tensor parallelism" in str(w.message)],
         "skipped": optimizer.skipped_steps.item() if hasattr(optimizer, "skipped_steps") else None,
     }
@@ -124,6 +130,7 @@ _RUNS = {
         "gpt2": ("gpt2", {}),
         "qwen3": ("qwen3", {}),
         "phi3": ("phi3", {}),
+        "bert": ("bert", {}),
     },
     2: {
         "llama": ("llama", {"tensor_parallel_degree": 2}),
@@ -131,6 +138,7 @@ _RUNS = {
         "gpt2": ("gpt2", {"tensor_parallel_degree": 2}),
         "qwen3": ("qwen3", {"tensor_parallel_degree": 2}),
         "phi3": ("phi3", {"tensor_parallel_degree": 2, "tensor_parallel_plan": PHI3_PLAN}),
+        "bert": ("bert", {"tensor_parallel_degree": 2}),
     },
     4: {"llama_fp16": ("llama", {**PP2_TP2, **FP16})},
 }
@@ -185,6 +193,17 @@ def test_per_head_norms_sum_their_gradients_and_match_one_process():
 @pytest.mark.timeout(600)
 def test_a_user_plan_overrides_the_models_entries_with_a_packed_split():
     _check_tp2("phi3")
+
+
+@pytest.mark.timeout(600)
+def test_bert_encoder_splits_by_the_built_in_plan_and_matches_one_process():
+    reference, runs = launch(1)[0]["bert"], [rank["bert"] for rank in launch(2)]
+    for run in runs:
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+        # per layer: q, k, v and intermediate weights and biases, the two output weights (their biases are added
+        # once, replicated); the masked-LM head shares its bias, so it and the tied word embedding stay whole
+        assert len(run["sharded"]) == 2 * 10
+    assert "cls.predictions.decoder" in runs[0]["warnings"][0]
 
 
 @pytest.mark.timeout(600)
