@@ -118,7 +118,7 @@ def plan_tensor_parallel(
     for unit in units:
         if unit.source == "model" and reasons[id(unit)] is None:
             reasons[id(unit)] = _heads_reason(model, unit, tp_size)
-    group_reasons: dict[str, str] = {}
+    group_reasons: dict[str, tuple[str, str]] = {}
     _hold_linked(found, reasons, group_reasons)
     candidates = [unit for unit in units if reasons[id(unit)] is None]
     for unit, reason in _shared_weight_conflicts(model, candidates).items():
@@ -316,27 +316,27 @@ def _heads_reason(model: nn.Module, unit: Unit, tp_size: int) -> str | None:
     return None
 
 
-def _hold_linked(found: _Found, reasons: dict[int, str | None], group_reasons: dict[str, str]) -> None:
+def _hold_linked(found: _Found, reasons: dict[int, str | None], group_reasons: dict[str, tuple[str, str]]) -> None:
     """Keep every model-plan unit of a group whole when one of them (or a refused entry) stays whole, and record
-    in ``group_reasons`` why each such group does (the first reason found)."""
+    in ``group_reasons`` why each such group does: the first module found whole, and why."""
     members: dict[str, list[Unit]] = {}
     for unit in found.units:
         if unit.source == "model":
             members.setdefault(found.links[unit.name], []).append(unit)
     for label, group, reason in found.refused:
-        group_reasons.setdefault(group, f"{label}: {reason}")
+        group_reasons.setdefault(group, (label, reason))
     for group, units in members.items():
         if group not in group_reasons:
             whole = next((unit for unit in units if reasons[id(unit)] is not None), None)
             if whole is None:
                 continue
-            group_reasons[group] = f"{whole.label}: {reasons[id(whole)]}"
+            group_reasons[group] = (whole.label, reasons[id(whole)])
         for unit in units:
             if reasons[id(unit)] is None:
                 reasons[id(unit)] = f"it splits together with {group}, which stays whole"
 
 
-def _model_groups_kept(found: _Found, group_reasons: dict[str, str]) -> list[tuple[str, str]]:
+def _model_groups_kept(found: _Found, group_reasons: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
     """One ``(label, reason)`` per group kept whole, with layer numbers as ``*`` so that a layer stack reads once."""
     parts: dict[str, list[str]] = {}
     for unit in found.units:
@@ -346,10 +346,11 @@ def _model_groups_kept(found: _Found, group_reasons: dict[str, str]) -> list[tup
     for label, group, _ in found.refused:
         parts.setdefault(group, []).append(label.split(" ")[0])
     kept: dict[str, str] = {}
-    for group, reason in group_reasons.items():
+    for group, (whole, reason) in group_reasons.items():
         leaves = sorted({name[len(group) + 1 :] if group and name != group else name for name in parts[group]})
-        label = group if leaves == [group] else f"{group or '<root>'}: {', '.join(leaves)}"
-        kept.setdefault(_LAYER_NUMBER.sub("*", label), _LAYER_NUMBER.sub("*", reason))
+        if len(leaves) > 1:  # name the group, then the module that keeps it whole
+            whole, reason = f"{group}.{{{', '.join(leaves)}}}".lstrip("."), f"{whole}: {reason}"
+        kept.setdefault(_LAYER_NUMBER.sub("*", whole), _LAYER_NUMBER.sub("*", reason))
     return list(kept.items())
 
 
