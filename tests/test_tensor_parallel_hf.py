@@ -15,11 +15,14 @@ import warnings
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPStrategy, smp
-from lightning_smp.tensor_parallel import plan_tensor_parallel, shard_of
+from lightning_smp import topology as topology_builder
+from lightning_smp.config import SMPConfig
+from lightning_smp.tensor_parallel import parallelize, plan_tensor_parallel, shard_of
 from lightning_smp.tensor_parallel.plan import match_pattern
 from tests.distributed import init_gloo, run_distributed
 from tests.models import quiet_trainer
@@ -144,10 +147,36 @@ _RUNS = {
 }
 
 
+def _gpt2_attention_dropout() -> dict:
+    """GPT-2's split attention in training with dropout: the heads of each rank draw their own dropout masks, and the
+    output (after the residual dropout, on the whole activation) is the same on every rank."""
+    world = dist.get_world_size()
+    topology = topology_builder.build(dp=1, pp=1, tp=world, order="DPT", device_type="cpu")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, attn_pdrop=0.5, resid_pdrop=0.5, **TOKENS
+    )
+    config._attn_implementation = "eager"  # returns the attention probabilities after their dropout
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=True):
+        model = transformers.GPT2Model(config)
+    parallelize(model, topology=topology, config=SMPConfig(tensor_parallel_degree=world))
+    output, weights = model.h[0].attn(torch.ones(2, SEQ, 32))  # weights: (2, 4 / tp, SEQ, SEQ)
+    outputs, masks = [torch.empty_like(output) for _ in range(world)], [torch.empty_like(weights) for _ in range(world)]
+    dist.all_gather(outputs, output.detach())
+    dist.all_gather(masks, (weights == 0).float())
+    return {
+        "outputs_equal": all(torch.equal(other, outputs[0]) for other in outputs),
+        "masks_differ": not torch.equal(masks[0], masks[1]),
+        "dropped": masks[0].mean().item(),
+    }
+
+
 def _run_all(rank: int, world: int) -> dict:
+    results = {}
     if world > 1:
         init_gloo()
-    return {name: _fit(rank, *args) for name, *args in ((name, *run) for name, run in _RUNS[world].items())}
+        results["gpt2_attention_dropout"] = _gpt2_attention_dropout()
+    return results | {name: _fit(rank, *args) for name, *args in ((name, *run) for name, run in _RUNS[world].items())}
 
 
 _launched: dict[int, list[dict]] = {}
@@ -183,6 +212,14 @@ def test_gpt2_splits_by_the_built_in_plan_and_matches_one_process():
         len(runs[0]["planned"]) == 2 + 2 * 4
     )  # embedding (tied to the head), c_attn/c_proj/c_fc/c_proj of both layers
     assert runs[0]["warnings"] == []
+
+
+@pytest.mark.timeout(600)
+def test_gpt2_attention_dropout_draws_each_ranks_heads_from_its_own_stream():
+    for rank in launch(2):
+        check = rank["gpt2_attention_dropout"]
+        assert check["outputs_equal"] and check["masks_differ"]
+        assert 0.3 < check["dropped"] < 0.7  # attn_pdrop=0.5: the masks are dropout masks
 
 
 @pytest.mark.timeout(600)

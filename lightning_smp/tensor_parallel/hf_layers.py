@@ -4,12 +4,13 @@
 cuts dim 1 and its row split dim 0. GPT-2's attention packs q, k and v into one ``Conv1D`` and splits its output
 with ``split(self.split_size)``: `GPT2AttentionParallel` splits the heads (``c_attn`` in three blocks, ``c_proj`` by
 rows) and sets ``split_size`` to the local width; the rest of its forward reshapes with ``-1`` heads and runs
-unchanged. Imported only when transformers is (`hf_plan` asks for it), since the classes derive from its own.
+unchanged, its attention dropout drawing from the rank's own stream (`rng.py`). Imported only when transformers
+is (`hf_plan` asks for it), since the classes derive from its own.
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -117,6 +118,21 @@ class GPT2AttentionParallel(TensorParallelModule, GPT2Attention):
         super().tp_convert(module)
         for name, child_class in cls._CHILDREN.items():
             child_class.tp_convert(getattr(module, name))
+
+    @override
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        if self._tp is None or not self.training or self.attn_dropout.p == 0:
+            return super().forward(*args, **kwargs)
+        # The attention dropout acts on this rank's heads: it draws from the rank's own stream. The residual dropout
+        # acts on the whole (replicated) output: it draws from the default generator, as on every other rank.
+        resid_dropout = self.resid_dropout
+        self._modules["resid_dropout"] = nn.Identity()
+        try:
+            with self._tp.rng.fork(self.c_proj.weight.device):
+                output, weights = super().forward(*args, **kwargs)
+        finally:
+            self._modules["resid_dropout"] = resid_dropout
+        return resid_dropout(output), weights
 
     @override
     def _tp_distribute(self, tp: TensorParallel, shared: dict[int, nn.Parameter]) -> None:
