@@ -313,3 +313,18 @@ def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the
     for style in TENSOR_PARALLEL_STYLES:
         assert style in reference, style
         assert f"`{style}`" in concepts.partition("### Plan styles")[2].partition("###")[0], style
+
+
+def test_set_tensor_parallelism_marks_a_model_built_outside_the_context():
+    torch.manual_seed(0)
+    model = _build("llama")
+    smp.set_tensor_parallelism(model)
+    assert len(plan_tensor_parallel(model, tp_size=2).units) == 2 + 2 * 7
+
+
+def test_a_user_plan_entry_overrides_the_model_entry_for_the_same_module():
+    model = _created("llama")
+    plan = plan_tensor_parallel(model, tp_size=2, patterns={"model.layers.*.mlp": "replicate", "lm_head": "colwise"})
+    targets = {unit.name: (unit.target.__name__, unit.source) for unit in plan.units}
+    assert not any(".mlp." in name for name in targets)
+    assert targets["lm_head"] == ("ColumnParallelLinear", "plan")  # its output stays split: the user's choice

@@ -30,7 +30,6 @@ class ColumnParallelConv1D(TensorParallelModule, Conv1D):
     many packed weights (GPT-2's ``c_attn``: q, k, v)."""
 
     blocks: ClassVar[int] = 1
-    _tp_plan_style: ClassVar[str] = "colwise"
 
     @override
     @classmethod
@@ -59,8 +58,6 @@ class _PackedQKVConv1D(ColumnParallelConv1D):
 
 class RowParallelConv1D(TensorParallelModule, Conv1D):
     """``Conv1D`` split along its input features (``nx``): this rank's input slice in, the whole output out."""
-
-    _tp_plan_style: ClassVar[str] = "rowwise"
 
     @override
     @classmethod

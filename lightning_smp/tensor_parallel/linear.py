@@ -79,7 +79,6 @@ class GatheredColumnParallelLinear(ColumnParallelLinear):
     "colwise_gather_output", e.g. a language-model head whose logits a whole-vocabulary loss reads)."""
 
     gather_output: bool = True
-    _tp_plan_style: ClassVar[str] = "colwise_gather_output"
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **factory) -> None:
         super().__init__(in_features, out_features, bias=bias, gather_output=True, **factory)
@@ -89,8 +88,6 @@ class PackedColumnParallelLinear(ColumnParallelLinear):
     """A `ColumnParallelLinear` over two weights packed along the output features, ``[gate; up]``: each rank keeps
     its rows of each, so its output is ``[gate_r, up_r]`` and the model's own ``chunk(2, dim=-1)`` still finds
     gate and up (the plan style "packed_colwise", a fused gate_up projection)."""
-
-    _tp_plan_style: ClassVar[str] = "packed_colwise"
 
     @override
     @classmethod
