@@ -15,6 +15,7 @@ and the flags are examples/gpt_char.py's (its `StdlibCharData`, ASCII characters
     python examples/hf_llama.py --tp 2                        # tensor_parallel_degree=2, by the model's own plan
     python examples/hf_llama.py --pp 2 --microbatches 2       # two pipeline stages
     python examples/hf_llama.py --pp 2 --tp 2 --fp16          # pp x tp = 2 x 2, fp16 with fp32 master weights
+    python examples/hf_llama.py --activation-checkpointing    # recompute each decoder layer in backward
 
 ``lightning-smp fit --config examples/configs/hf_llama.yaml`` runs the same LightningModule from the command line.
 Exits with status 1 when the final validation loss misses the target.
@@ -53,6 +54,8 @@ class LlamaCharLM(GPTCharLM):
         intermediate_size: width of the gated feed-forward layer.
         block_size: longest context.
         lr: AdamW learning rate.
+        activation_checkpointing: recompute each decoder layer's activations in backward instead of keeping them
+            (``smp.set_activation_checkpointing`` on ``model.model.layers``).
     """
 
     def __init__(
@@ -65,8 +68,12 @@ class LlamaCharLM(GPTCharLM):
         block_size: int = 64,
         lr: float = 1e-2,
         weight_decay: float = 0.01,
+        activation_checkpointing: bool = False,
     ) -> None:
-        super().__init__(n_layer, n_head, d_model, block_size, lr=lr, weight_decay=weight_decay)
+        super().__init__(
+            n_layer, n_head, d_model, block_size, lr=lr, weight_decay=weight_decay,
+            activation_checkpointing=activation_checkpointing,
+        )  # fmt: skip
         self.save_hyperparameters()
         self.model: LlamaForCausalLM | None = None
 
@@ -89,6 +96,8 @@ class LlamaCharLM(GPTCharLM):
         dtype = torch.float16 if smp.state.cfg.fp16 else torch.get_default_dtype()
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=dtype):
             self.model = LlamaForCausalLM(config)
+        if hp.activation_checkpointing:
+            smp.set_activation_checkpointing(self.model.model.layers)  # each decoder layer its own checkpoint
 
     def forward(self, idx: Tensor) -> Tensor:  # (B, T) int64 -> (B, T, V) logits, whole on every tp rank
         assert self.model is not None
@@ -98,7 +107,8 @@ class LlamaCharLM(GPTCharLM):
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Train and validate with examples/gpt_char.py's flags; return the final metrics as floats."""
     args = parse_args(argv, description=__doc__.splitlines()[0])
-    return train(args, LlamaCharLM(n_layer=args.layers), TARGET_VAL_LOSS)
+    model = LlamaCharLM(n_layer=args.layers, activation_checkpointing=args.activation_checkpointing)
+    return train(args, model, TARGET_VAL_LOSS)
 
 
 if __name__ == "__main__":
