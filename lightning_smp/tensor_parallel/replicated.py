@@ -4,13 +4,15 @@ A norm between a column- and a row-parallel layer that normalises each head sepa
 ``k_norm``; the plan style "replicated_with_grad_allreduce") keeps its whole weight on every rank, but each rank's
 gradient covers only its own heads: the gradients are summed over the tensor-parallel group. The sum is a hook on
 the parameter (it runs on each backward's gradient before accumulation, so gradient accumulation and pipeline
-microbatches stay exact). Any module class can be such a module, so its tensor-parallel class is made per class.
+microbatches stay exact), put on by the module's forward so that a parameter replaced after the split gets one too.
+Any module class can be such a module, so its tensor-parallel class is made per class.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +23,8 @@ from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelMod
 from lightning_smp.tensor_parallel.shard import ShardSpec
 
 __all__ = ["GradientSummed", "gradient_summed_class"]
+
+_HOOKED = "_smp_gradient_hooks"  # instance entry: id(parameter) -> weak reference to it, for each hooked parameter
 
 
 class GradientSummed(TensorParallelModule):
@@ -38,20 +42,26 @@ class GradientSummed(TensorParallelModule):
 
     @override
     def _tp_distribute(self, tp: TensorParallel, shared: dict[int, nn.Parameter]) -> None:
-        if self._tp is None:  # a second setup (validate after fit) must not sum twice
-            for param in self.parameters():
-                if param.requires_grad:
-                    param.register_hook(_summed_over(tp.group))
+        if _HOOKED not in self.__dict__:  # once, whatever the number of setups (fit, then fit again)
+            self.__dict__[_HOOKED] = {}
+            self.register_forward_pre_hook(GradientSummed._hook_parameters)
         self._tp = tp
 
+    def _hook_parameters(self, args: tuple[Any, ...]) -> None:
+        # at each forward, not once: a parameter replaced since (materialised, loaded) needs its own hook
+        hooked: dict[int, weakref.ref[Tensor]] = self.__dict__[_HOOKED]
+        for param in self.parameters():
+            ref = hooked.get(id(param))
+            if param.requires_grad and (ref is None or ref() is not param):
+                param.register_hook(self._summed)
+                hooked[id(param)] = weakref.ref(param)
 
-def _summed_over(group: dist.ProcessGroup) -> Callable[[Tensor], Tensor]:
-    def hook(grad: Tensor) -> Tensor:
+    def _summed(self, grad: Tensor) -> Tensor:
+        if self._tp is None:  # the group is gone (after teardown): nothing to sum over
+            return grad
         grad = grad.clone(memory_format=torch.contiguous_format)  # never reduce into a tensor autograd holds
-        dist.all_reduce(grad, group=group)
+        dist.all_reduce(grad, group=self._tp.group)
         return grad
-
-    return hook
 
 
 @functools.cache
