@@ -328,3 +328,19 @@ def test_a_user_plan_entry_overrides_the_model_entry_for_the_same_module():
     targets = {unit.name: (unit.target.__name__, unit.source) for unit in plan.units}
     assert not any(".mlp." in name for name in targets)
     assert targets["lm_head"] == ("ColumnParallelLinear", "plan")  # its output stays split: the user's choice
+
+
+def test_attention_with_q_k_v_packed_per_head_splits_only_where_the_heads_divide():
+    config = transformers.GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=48, num_hidden_layers=1, num_attention_heads=4, intermediate_size=96
+    )
+    with smp.model_creation(tensor_parallelism=True):
+        model = transformers.GPTNeoXModel(config)  # query_key_value: 3 x 48 rows, [q, k, v] of each head in turn
+    assert len(plan_tensor_parallel(model, tp_size=2).units) == 5
+    plan = plan_tensor_parallel(model, tp_size=3)  # 144 rows split 3 ways, but 4 heads do not
+    assert [unit.name for unit in plan.units] == ["layers.0.mlp.dense_h_to_4h", "layers.0.mlp.dense_4h_to_h"]
+    kept = dict(plan.kept_whole)  # the embedding's 64 rows do not split 3 ways either
+    assert (
+        "num_attention_heads=4, not divisible by tensor_parallel_degree=3"
+        in kept["layers.*.attention.{dense, query_key_value}"]
+    )

@@ -66,6 +66,10 @@ _BUILT_IN: dict[str, tuple[dict[str, str], int]] = {
 }
 
 
+# attributes in which transformers' attention layers keep the width of one head
+_HEAD_SIZES = ("head_dim", "attention_head_size", "head_size")
+
+
 @dataclass(frozen=True)
 class ModelPlan:
     """A transformers model's plan: ``entries`` (pattern relative to the model -> style) and ``link_up``: entries
@@ -108,14 +112,17 @@ def link_key(name: str, style: str, link_up: int) -> str:
 
 def heads_reason(parent: nn.Module, features: int, tp_size: int, what: str) -> str | None:
     """Why ``features`` (of a projection inside attention ``parent``) do not split into whole heads, or None."""
-    head = getattr(parent, "head_dim", None) or getattr(parent, "attention_head_size", None)
-    if not isinstance(head, int) or head <= 0 or features % head:
+    head = next((getattr(parent, name) for name in _HEAD_SIZES if isinstance(getattr(parent, name, None), int)), 0)
+    if head <= 0 or features % head:
         return None  # not an attention layer we know the heads of: the layer's own size check decides
     if (features // head) % tp_size:
         return (
             f"its {what}={features} hold {features // head} heads of {head}, not divisible by "
             f"tensor_parallel_degree={tp_size}"
         )
+    heads = getattr(getattr(parent, "config", None), "num_attention_heads", None)
+    if isinstance(heads, int) and heads % tp_size:  # q, k and v packed per head (GPT-NeoX's query_key_value)
+        return f"its attention has num_attention_heads={heads}, not divisible by tensor_parallel_degree={tp_size}"
     return None
 
 
