@@ -42,12 +42,31 @@ _OWN_FIELDS = frozenset(
         "tensor_parallel_plan",
     }
 )
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "vocab", "auto", "replicate")
-"""Styles of a ``tensor_parallel_plan`` entry: "colwise" (an nn.Linear split by output features; its output stays
-split), "rowwise" (an nn.Linear split by input features; takes a split input, e.g. a "colwise" output, and
-returns the whole output), "vocab" (an nn.Embedding split along the vocabulary), "auto" (a layer lightning_smp
-splits by itself: nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding),
-"replicate" (keep the module and everything in it whole)."""
+TENSOR_PARALLEL_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "packed_colwise",
+    "embedding_rowwise",
+    "vocab",
+    "replicated_with_grad_allreduce",
+    "auto",
+    "replicate",
+)
+"""Styles of a ``tensor_parallel_plan`` entry, named as Hugging Face transformers names them where they mean the
+same: "colwise" (an nn.Linear split by output features; its output stays split), "rowwise" (an nn.Linear split by
+input features; takes a split input, e.g. a "colwise" output, and returns the whole output), "colwise_gather_output"
+(= "colwise_rep": "colwise" with the output all-gathered, e.g. a language-model head), "rowwise_split_input"
+(= "rowwise_rep": "rowwise" that splits a whole input itself), "packed_colwise" (an nn.Linear holding two weights
+packed along its output, such as a fused [gate; up] projection: each rank keeps its part of each), "embedding_rowwise"
+(= "vocab": an nn.Embedding split along the vocabulary), "replicated_with_grad_allreduce" (any module kept whole
+whose parameter gradients are summed over the tensor-parallel ranks, e.g. a per-head norm between a "colwise" and a
+"rowwise" layer), "auto" (a layer lightning_smp splits by itself: nn.TransformerEncoderLayer,
+nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding, GPT-2's attention), "replicate" (keep the module and
+everything in it whole)."""
 
 # smp settings that lightning_smp accepts but that change nothing yet: field -> why. When a feature lands,
 # delete its line here; `SMPConfig.inactive_settings` reads only this table.
@@ -214,9 +233,13 @@ class SMPConfig:
     multiple of pipeline_parallel_degree; ``partition`` then gives one size per chunk."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
-    one component) mapped to a style of ``TENSOR_PARALLEL_STYLES``, for example
+    one component) mapped to a style: colwise, rowwise, colwise_gather_output (= colwise_rep), rowwise_split_input
+    (= rowwise_rep), packed_colwise, embedding_rowwise (= vocab), replicated_with_grad_allreduce, auto or replicate
+    (Hugging Face transformers' names; docs/concepts.md, "Plan styles", says what each does), for example
     ``{"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}``; stored read-only. Applies on top of
-    ``smp.tensor_parallelism()``; a pattern that matches no module raises when training starts."""
+    ``smp.tensor_parallelism()`` and of the plan of a Hugging Face transformers model created tensor-parallel
+    (``model.tp_plan``), whose entries for the same modules it overrides; a pattern that matches no module raises
+    when training starts."""
 
     def __post_init__(self) -> None:
         # With `from __future__ import annotations` field types are strings, hence "bool".
