@@ -23,7 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler, clip_grad_norm_counted
+from lightning_smp.grad_vote import GradientVote, clip_grad_norm_counted
+from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -109,7 +110,8 @@ class SMPPrecision(Precision):
                 static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
                 dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
             )
-        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=self._norm_group())
+        vote = GradientVote.for_run(self.topology, sharded_over_dp=False)
+        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, vote=vote)
         self._wrapped.append(wrapped)
         return wrapped
 
