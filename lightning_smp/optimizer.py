@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_smp.grad_vote import GradientVote
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from lightning_smp.master_shard import HALF_DTYPES, WholeMasters
+from lightning_smp.master_shard import HALF_DTYPES, ShardedMasters, WholeMasters
 
 __all__ = ["MasterWeightOptimizer", "build_loss_scaler", "load_state_by_tensor"]
 
@@ -46,7 +47,10 @@ class MasterWeightOptimizer(Optimizer):
         optimizer: the inner optimizer, constructed over the model's (half-precision) parameters.
         loss_scaler: fp16: a static or dynamic scaler; bf16: ``None`` (no scaling, no overflow check).
         vote: the process groups of the overflow vote and of the gradient norm (`GradientVote.for_run`);
-            ``None``: this rank alone.
+            ``None``: this rank alone. With ``shard_group`` its norm group must span the replicas too.
+        shard_group: shard the masters and the optimizer state over these data-parallel replicas (ZeRO-1,
+            `ShardedMasters`): the grads are then reduce-scattered here, so the replicas' grads must not be
+            all-reduced before. ``None``: this rank keeps every master.
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class MasterWeightOptimizer(Optimizer):
         *,
         loss_scaler: LossScaler | None,
         vote: GradientVote | None = None,
+        shard_group: dist.ProcessGroup | None = None,
     ) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("The optimizer is already a MasterWeightOptimizer; wrap the plain optimizer once.")
@@ -64,7 +69,8 @@ class MasterWeightOptimizer(Optimizer):
         self._vote = vote if vote is not None else GradientVote()
         params = _params_of(optimizer)
         device = _single_device(params)
-        self._masters = WholeMasters(params, device)
+        sharded = shard_group is not None and dist.get_world_size(shard_group) > 1
+        self._masters = ShardedMasters(params, device, shard_group) if sharded else WholeMasters(params, device)
         optimized = self._masters.optimized()
         for group in optimizer.param_groups:
             group["params"] = [optimized[id(p)] for p in group["params"] if id(p) in optimized]
@@ -253,8 +259,10 @@ class MasterWeightOptimizer(Optimizer):
         self._step_state.grads_read = False
 
     def forget_process_groups(self) -> None:
-        """Drop the overflow and norm groups (destroyed at interpreter exit); later steps count this rank alone."""
+        """Drop the process groups (destroyed at interpreter exit): the overflow and norm groups (later steps count
+        this rank alone) and a sharded optimizer's replicas (it can no longer step)."""
         self._vote.forget()
+        self._masters.forget_group()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -290,6 +298,7 @@ class MasterWeightOptimizer(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state plus the fp32 masters and the loss scaler (smp's fp16 checkpoint content)."""
+        self._refuse_sharded("state_dict")
         return {
             "optimizer": self._inner.state_dict(),
             "fp32_from_fp16": [master.detach().clone() for master in self._masters.masters],
@@ -299,6 +308,7 @@ class MasterWeightOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a `state_dict`; every check runs before anything is overwritten."""
+        self._refuse_sharded("load_state_dict")
         missing = {"optimizer", "fp32_from_fp16", "loss_scaler"} - state_dict.keys()
         if missing:
             raise ValueError(
@@ -327,6 +337,15 @@ class MasterWeightOptimizer(Optimizer):
         if self._loss_scaler is not None:
             self._loss_scaler.load_state_dict(saved_scaler)
         self._skipped_steps.fill_(state_dict.get("skipped_steps", 0))
+
+    def _refuse_sharded(self, method: str) -> None:
+        if isinstance(self._masters, ShardedMasters):
+            raise ValueError(
+                f"`optimizer.{method}()` holds one rank's masters by position, which a sharded optimizer "
+                "(shard_optimizer_state=True) does not have whole. Save and load through `trainer.save_checkpoint` / "
+                "`ckpt_path=` or `smp.save_checkpoint` / `smp.resume_from_checkpoint`: they store the optimizer state "
+                "by parameter name, which loads at any data-parallel degree, sharded or not."
+            )
 
 
 def load_state_by_tensor(

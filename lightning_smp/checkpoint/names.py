@@ -42,7 +42,8 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # the entries' prefixes (see the
 def model_state_dict(module: nn.Module, optimizers: Sequence[Any] = ()) -> dict[str, Any]:
     """``module.state_dict()`` under its global names, with each parameter that has an fp32 master replaced by it.
 
-    Tensors are this rank's (tensor-parallel shards stay shards); nothing is copied.
+    Tensors are this rank's (tensor-parallel shards stay shards); nothing is copied, except the masters of a sharded
+    optimizer, which are gathered whole (collective: every replica calls it).
     """
     masters = masters_by_param(optimizers)
     return {
