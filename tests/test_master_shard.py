@@ -82,7 +82,16 @@ def _fit(strategy_kwargs: dict, *, batch_size: int = PER_RANK_BATCH, dirpath=Non
         "norms": record.norms,
         "skipped": optimizer.skipped_steps.item() if wrapped else None,
         "state_bytes": _state_bytes(optimizer) if wrapped else None,
+        "state_dict_error": _error_of(optimizer.state_dict),
     }
+
+
+def _error_of(function) -> str | None:
+    try:
+        function()
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _dp2_job(rank: int, root: str) -> dict:
@@ -153,6 +162,12 @@ def test_dp2_sharded_matches_the_unsharded_run(dp2, name, rel):
 def test_a_sharded_rank_holds_about_half_the_masters_and_optimizer_state(dp2):
     for rank in dp2:
         assert rank["fp16_sharded"]["state_bytes"] <= 0.52 * rank["fp16"]["state_bytes"]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_optimizers_positional_state_dict_points_to_the_checkpoints_by_name(dp2):
+    assert dp2[0]["fp16"]["state_dict_error"] is None
+    assert "by parameter name" in dp2[0]["fp16_sharded"]["state_dict_error"]
 
 
 @pytest.mark.timeout(600)
