@@ -41,7 +41,9 @@ class MasterWeightOptimizer(Optimizer):
 
     The inner optimizer's param groups are re-pointed at the masters, and this wrapper's ``param_groups`` and
     ``state`` ARE the inner optimizer's, so ``StepLR(wrapper)`` and ``StepLR(wrapper.optimizer)`` both work.
-    Parameters that are already fp32 (e.g. BatchNorm kept in fp32) are their own masters.
+    Parameters that are already fp32 (e.g. BatchNorm kept in fp32) are their own masters, except when sharded:
+    then every parameter, fp32 too, has this replica's share of an fp32 master, and the inner optimizer updates
+    one 1-D piece per parameter overlapping that share.
 
     Args:
         optimizer: the inner optimizer, constructed over the model's (half-precision) parameters.
