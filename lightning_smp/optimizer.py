@@ -344,7 +344,7 @@ class MasterWeightOptimizer(Optimizer):
         if isinstance(self._masters, ShardedMasters):
             raise ValueError(
                 f"`optimizer.{method}()` holds one rank's masters by position, which a sharded optimizer "
-                "(shard_optimizer_state=True) does not have whole. Save and load through `trainer.save_checkpoint` / "
+                "(shard_optimizer_state=True) does not have whole. Use `trainer.save_checkpoint` / "
                 "`ckpt_path=` or `smp.save_checkpoint` / `smp.resume_from_checkpoint`: they store the optimizer state "
                 "by parameter name, which loads at any data-parallel degree, sharded or not."
             )
