@@ -26,6 +26,7 @@ from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
 from lightning_smp.tensor_parallel import nn
 from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
+from lightning_smp.topology import rank_groups
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -67,6 +68,7 @@ __all__ = [
     "pp_barrier",
     "pp_rank",
     "pp_size",
+    "preview",
     "rank",
     "rdp_barrier",
     "rdp_rank",
@@ -109,6 +111,62 @@ def _activate(strategy: SMPStrategy, topology: Topology, config: SMPConfig) -> N
 def _deactivate() -> None:
     global _active
     _active = None
+
+
+@contextmanager
+def preview(config: SMPConfig, *, world_size: int) -> Generator[None, None, None]:
+    """Answer as rank 0 of a job of ``config`` over ``world_size`` processes, with no run started: every size and
+    rank, and ``smp.state.cfg``; groups, collectives, optimizers and checkpoints raise. The memory planner's
+    command (``lightning-smp estimate``) builds a LightningModule's ``configure_model`` under it, so that code
+    such as ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` builds the model of the planned layout."""
+    global _active
+    if _active is not None:
+        raise RuntimeError("smp.preview() inside a running SMPStrategy: the run already answers; remove the preview.")
+    dp = config.data_parallel_degree(world_size)
+    groups = rank_groups(
+        config.placement_order, dp=dp, pp=config.pipeline_parallel_degree, tp=config.tensor_parallel_degree
+    )
+    _active = _Run(_NoStrategy(), _PreviewLayout(groups), config)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        _active = None
+
+
+class _PreviewLayout:
+    """What `preview` answers for the topology: rank 0's groups from the pure layout, no process group."""
+
+    global_rank = 0
+
+    def __init__(self, groups: dict[str, list[list[int]]]) -> None:
+        self._groups = {axis: next(g for g in axis_groups if 0 in g) for axis, axis_groups in groups.items()}
+
+    @property
+    def world_size(self) -> int:
+        return len(self._groups["world"])
+
+    def size(self, axis: str) -> int:
+        return len(self._groups[axis])
+
+    def rank(self, axis: str) -> int:
+        return self._groups[axis].index(0)
+
+    def ranks(self, axis: str) -> list[int]:
+        return list(self._groups[axis])
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        raise RuntimeError(_PREVIEW_ONLY)
+
+
+class _NoStrategy:
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(_PREVIEW_ONLY)
+
+
+_PREVIEW_ONLY = (
+    "inside smp.preview() (a planned layout, as `lightning-smp estimate` builds the model) only sizes, ranks and "
+    "smp.state.cfg answer; process groups, collectives, optimizers and checkpoints need a running SMPStrategy."
+)
 
 
 def _run(caller: str) -> _Run:

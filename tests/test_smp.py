@@ -5,7 +5,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_smp import SMPStrategy, smp
+from lightning_smp import SMPConfig, SMPStrategy, smp
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, mlp, quiet_trainer, random_dataset
 
@@ -325,3 +325,21 @@ def test_facade_in_a_two_process_run():
         }
         assert not answers["fp16"]
         assert not answers["initialized_after_fit"]
+
+
+# ---------------------------------------------------------------- a planned layout (the memory planner)
+
+
+def test_preview_answers_a_planned_layout_and_refuses_process_groups():
+    config = SMPConfig(pipeline_parallel_degree=2, tensor_parallel_degree=2, fp16=True)
+    with smp.preview(config, world_size=8):
+        assert (smp.tp_size(), smp.pp_size(), smp.rdp_size(), smp.dp_size(), smp.size()) == (2, 2, 2, 4, 8)
+        assert (smp.rank(), smp.tp_rank(), smp.pp_rank()) == (0, 0, 0)
+        assert smp.state.cfg.fp16
+        with pytest.raises(RuntimeError, match=r"inside smp.preview\(\).*need a running SMPStrategy"):
+            smp.get_tp_process_group()
+        with pytest.raises(RuntimeError, match=r"inside smp.preview\(\)"):
+            smp.local_rank()
+    assert not smp.state.initialized
+    with pytest.raises(ValueError, match="does not divide the world size 6"), smp.preview(config, world_size=6):
+        pass
