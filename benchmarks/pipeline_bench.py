@@ -261,6 +261,17 @@ def _slowest(per_rank: list, kinds_key: Callable[[Any], Any] = lambda r: r[1]) -
     return merged
 
 
+def describe_machine() -> None:
+    """Print the core counts first: every figure is a ratio of what the ranks' cores do, so it belongs to them."""
+    info = machine()
+    print(
+        f"{info['processor']}: {info['cpu_count']} cores, {info['cpu_affinity_count']} usable here; "
+        f"one thread per process; torch {info['torch']}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def measure(args: argparse.Namespace) -> dict:
     best: dict = {}
 
@@ -308,11 +319,35 @@ def report(best: dict, args: argparse.Namespace) -> dict:
     return record(rows, args)
 
 
+def machine() -> dict:
+    """The machine a run measures on: its CPU, its cores (all of them, and those this process may run on: a
+    container or ``taskset`` can allow fewer), torch and Python. Every rank runs one thread, whatever the count."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return {
+        "platform": platform.platform(),
+        "processor": _processor(),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity_count": usable,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _processor() -> str:
+    """The CPU's model name (from /proc/cpuinfo on Linux, where `platform.processor` says only "x86_64")."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor()
+
+
 def record(rows: list[dict], args: argparse.Namespace) -> dict:
     """A run's rows with the date, machine, command and settings that produced them (the JSON of ``--out``)."""
     return {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__},
+        "machine": machine(),
         "command": " ".join(sys.argv),
         "settings": {k: v for k, v in vars(args).items() if k != "out"},
         "rows": rows,
@@ -331,6 +366,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
+    describe_machine()
     result = report(measure(args), args)
     if args.out:
         with open(args.out, "w") as handle:

@@ -11,8 +11,9 @@ The ideal step is (m + p - 1) x 2C with p = 2 stages. Per C, the median seconds 
   result message;
 - ``torch``: ``torch.distributed.pipelining``'s ``Schedule1F1B`` on the same busy-wait stages.
 
-Spinning keeps both cores busy as compute does, so a message's delivery waits until gloo's receiving thread
-gets a core; at C = 0 the cores are mostly idle and what remains is the latency of each message.
+Spinning keeps a core per stage busy as compute does; where the machine has no other core free (two cores for
+the two stages), a message's delivery waits until gloo's receiving thread gets one. At C = 0 the stages' cores
+are mostly idle and what remains is the latency of each message. The JSON records the machine's core count.
 
     python benchmarks/pipeline_messages.py --compute-us 0,200,1000
 """
@@ -36,7 +37,7 @@ try:
 except ImportError:  # run as `python benchmarks/pipeline_messages.py`
     import pipeline_bench as bench
 
-STAGES = 2
+STAGES = bench.STAGES  # the two-stage split of pipeline_bench.py
 
 
 def _spin(seconds: float) -> None:
@@ -149,6 +150,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
+    bench.describe_machine()
     best: dict = {}
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)

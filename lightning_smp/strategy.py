@@ -490,7 +490,7 @@ class SMPStrategy(DDPStrategy):
         `fault_tolerance.close_process_groups`), so that they are freed while Python is whole."""
         for module in self.model.modules() if self.model is not None else ():
             if isinstance(module, tensor_parallel.TensorParallelModule):
-                module._tp = None
+                module.forget_tensor_parallel_group()
             if isinstance(module, Metric):
                 module.process_group = None
         for optimizer in self.optimizers:

@@ -3,6 +3,7 @@ judged here: docs/benchmarks.md holds the measured figures and the commands that
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +33,20 @@ def _positive(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def _assert_records_the_cores(result: dict) -> None:
+    """A CPU pipeline figure is a ratio of what the ranks' cores do: its JSON says how many the machine had."""
+    machine = result["machine"]
+    assert machine["cpu_count"] == os.cpu_count()
+    assert machine["cpu_affinity_count"] == len(os.sched_getaffinity(0))
+
+
 def test_pipeline_bench_reports_every_pipeline_against_the_ideal(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     small = ("--width", "16", "--batch", "32", "--microbatches", "2", "--rounds", "1", "--steps", "2", "--warmup", "1")
     _run("pipeline_bench.py", *small, "--out", str(out))
-    (row,) = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    _assert_records_the_cores(result)
+    (row,) = result["rows"]
     assert row["microbatches"] == 2
     assert _positive(row["B"]) and _positive(row["ideal_speedup"])
     for kind in ("smp_1f1b", "smp_gpipe", "smp_virtual2", "torch_1f1b", "torch_gpipe"):
@@ -47,7 +57,9 @@ def test_pipeline_messages_reports_ours_and_torch_per_compute_time(tmp_path: Pat
     out = tmp_path / "messages.json"
     small = ("--width", "16", "--rows", "4", "--compute-us", "0,50", "--rounds", "1", "--steps", "2", "--warmup", "1")
     _run("pipeline_messages.py", *small, "--out", str(out))
-    rows = json.loads(out.read_text())["rows"]
+    result = json.loads(out.read_text())
+    _assert_records_the_cores(result)
+    rows = result["rows"]
     assert [row["compute_us"] for row in rows] == [0, 50]
     assert all(_positive(row["ours_s"]) and _positive(row["torch_s"]) for row in rows)
 

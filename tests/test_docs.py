@@ -4,7 +4,8 @@
   smp equivalent, status from ``config._INACTIVE_SETTINGS``): it must equal what
   `render_configuration` makes of the code now.
 - docs/troubleshooting.md lists every error message the package constructs (``SomeError("...")`` calls, read
-  from the source): each one must be on the page, and each must name its fix or have one in `_FIXES`.
+  from the source), in sections by what the user was doing (`_GROUP_OF_PATH` places each module in one of
+  `_GROUPS`): each one must be on the page, and each must name its fix or have one in `_FIXES`.
 
 After changing a field or an error message, regenerate both parts: ``.venv/bin/python tests/test_docs.py``.
 """
@@ -169,6 +170,61 @@ _FIXES = {
 }
 
 
+# The catalogue's sections, in page order, each with the sentence that opens it: a message is found under what the
+# user was doing when it came, not under the module that raises it.
+_GROUPS = {
+    "Configuring the strategy": "The strategy's arguments, an smp `parameters` dict or `smp_options`, and what "
+    "the Trainer is given besides: checked when `SMPStrategy` is built and when training starts.",
+    "Launching and failures": "When the processes start (the degrees against their number, the process groups) "
+    "and when a run stops part-way.",
+    "Model creation and memory": "Building the model (`configure_model`, delayed initialisation), activation "
+    "checkpointing and memory estimates.",
+    "Tensor parallelism": "What tensor parallelism splits (`smp.model_creation`, `smp.set_tensor_parallelism`, "
+    "`tensor_parallel_plan`) and what the split layers take.",
+    "Pipeline parallelism": "Where the model is cut into stages, how a batch splits into microbatches, and what a "
+    "pipelined step may do.",
+    "Precision and loss scaling": "fp16 / bf16 parameters with fp32 master weights, the loss scale and the "
+    "optimizer around them.",
+    "Checkpoints": "Saving, loading, resuming under another layout, and consolidating into one file.",
+    "The smp API": "The `smp` facade (`from lightning_smp import smp`): what it answers, where, and the smp calls "
+    "lightning_smp does not need.",
+    "Command line": "`lightning-smp` and `python -m lightning_smp`.",
+}
+# The section of each module's messages, by its path in the package: a file, or a folder (ending in "/") for every
+# file under it; the longest matching entry wins. A module matching none fails
+# `test_every_module_has_a_troubleshooting_section`, so that each new module is placed on purpose.
+_GROUP_OF_PATH = {
+    "config.py": "Configuring the strategy",
+    "strategy.py": "Configuring the strategy",
+    "topology.py": "Launching and failures",
+    "fault_tolerance.py": "Launching and failures",
+    "activation_checkpointing.py": "Model creation and memory",
+    "delayed_init.py": "Model creation and memory",
+    "memory.py": "Model creation and memory",
+    "tensor_parallel/": "Tensor parallelism",
+    "placement.py": "Tensor parallelism",
+    "pipeline/": "Pipeline parallelism",
+    "precision.py": "Precision and loss scaling",
+    "loss_scaler.py": "Precision and loss scaling",
+    "optimizer.py": "Precision and loss scaling",
+    "host_mirror.py": "Precision and loss scaling",
+    "checkpoint.py": "Checkpoints",
+    "checkpoint/": "Checkpoints",
+    "consolidate_checkpoint.py": "Checkpoints",
+    "smp.py": "The smp API",
+    "__init__.py": "The smp API",
+    "cli.py": "Command line",
+    "__main__.py": "Command line",
+}
+_PLACE_IT = "add it, or a folder above it, to _GROUP_OF_PATH in tests/test_docs.py"
+
+
+def troubleshooting_group(module: str) -> str | None:
+    """The catalogue section of a module ("config.py", "pipeline/stage.py"), None when no entry places it."""
+    matches = [path for path in _GROUP_OF_PATH if module == path or (path.endswith("/") and module.startswith(path))]
+    return _GROUP_OF_PATH[max(matches, key=len)] if matches else None
+
+
 @dataclass(frozen=True)
 class ErrorMessage:
     module: str  # "config.py", "pipeline/partition.py"
@@ -215,18 +271,25 @@ def error_messages(package: Path = _PACKAGE) -> list[ErrorMessage]:
 
 
 def render_error_catalog(messages: list[ErrorMessage]) -> str:
-    """The generated part of docs/troubleshooting.md: every message, grouped by module."""
-    lines: list[str] = []
-    module = None
+    """The generated part of docs/troubleshooting.md: every message once, under its module's section (sections in
+    `_GROUPS` order, an empty one left out; messages in file and line order within a section)."""
+    sections: dict[str, dict[tuple[str, str], ErrorMessage]] = {group: {} for group in _GROUPS}
     for message in messages:
-        if message.module != module:
-            module = message.module
-            lines += [f"### `lightning_smp/{module}`", ""]
-        lines += [f"**{message.kind}**", ""]
-        lines += [f"    {line}".rstrip() for line in message.template.splitlines()]
-        lines.append("")
-        if message.fix:
-            lines += [f"Fix: {message.fix}", ""]
+        group = troubleshooting_group(message.module)
+        if group is None:
+            raise ValueError(f"lightning_smp/{message.module} is in no section of docs/troubleshooting.md; {_PLACE_IT}")
+        sections[group].setdefault((message.kind, message.template), message)
+    lines: list[str] = []
+    for group, section in sections.items():
+        if not section:
+            continue
+        lines += [f"### {group}", "", _GROUPS[group], ""]
+        for message in section.values():
+            lines += [f"**{message.kind}**", ""]
+            lines += [f"    {line}".rstrip() for line in message.template.splitlines()]
+            lines.append("")
+            if message.fix:
+                lines += [f"Fix: {message.fix}", ""]
     return "\n".join(lines).rstrip()
 
 
@@ -271,6 +334,47 @@ def test_every_error_message_names_its_fix() -> None:
     assert not unfixed, "these messages name no fix: reword them, or add a fix to _FIXES in tests/test_docs.py:\n" + (
         "\n".join(f"  {m.module}: {m.kind}: {m.template[:120]}" for m in unfixed)
     )
+
+
+def test_every_module_has_a_troubleshooting_section() -> None:
+    modules = [path.relative_to(_PACKAGE).as_posix() for path in sorted(_PACKAGE.rglob("*.py"))]
+    unplaced = [module for module in modules if troubleshooting_group(module) is None]
+    assert not unplaced, f"no section of docs/troubleshooting.md holds these modules; for each, {_PLACE_IT}: " + (
+        ", ".join(f"lightning_smp/{module}" for module in unplaced)
+    )
+    assert set(_GROUP_OF_PATH.values()) <= set(_GROUPS), "_GROUP_OF_PATH names a section that _GROUPS lacks"
+
+
+@pytest.mark.parametrize(
+    ("module", "group"),
+    [
+        ("config.py", "Configuring the strategy"),
+        ("checkpoint.py", "Checkpoints"),
+        ("checkpoint/storage.py", "Checkpoints"),
+        ("delayed_init.py", "Model creation and memory"),
+        ("memory.py", "Model creation and memory"),
+        ("placement.py", "Tensor parallelism"),
+        ("tensor_parallel/a_new_module.py", "Tensor parallelism"),
+        ("pipeline/a_new_module.py", "Pipeline parallelism"),
+        ("pipeline.py", None),  # a folder's entry holds only what is under it
+        ("a_new_module.py", None),
+    ],
+)
+def test_troubleshooting_section_is_the_longest_matching_path(module: str, group: str | None) -> None:
+    assert troubleshooting_group(module) == group
+
+
+def test_error_catalog_groups_messages_by_section_in_page_order() -> None:
+    messages = [
+        ErrorMessage("pipeline/stage.py", "ValueError", "b; set b"),
+        ErrorMessage("config.py", "ValueError", "a; set a"),
+        ErrorMessage("pipeline/schedule.py", "ValueError", "b; set b"),  # the same message, listed once
+    ]
+    page = render_error_catalog(messages)
+    assert page.index("### Configuring the strategy") < page.index("a; set a") < page.index("### Pipeline parallelism")
+    assert page.count("b; set b") == 1 and "### Checkpoints" not in page
+    with pytest.raises(ValueError, match=r"_GROUP_OF_PATH in tests/test_docs\.py"):
+        render_error_catalog([ErrorMessage("a_new_module.py", "ValueError", "c; set c")])
 
 
 def test_error_scan_reads_fstrings_and_concatenations(tmp_path: Path) -> None:

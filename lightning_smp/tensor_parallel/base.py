@@ -54,6 +54,11 @@ class TensorParallelModule(nn.Module):
         """Whether this module holds shards (``parallelize`` has run), rather than the whole layer."""
         return self._tp is not None
 
+    def forget_tensor_parallel_group(self) -> None:
+        """Drop the tensor-parallel context: the module then runs its whole-layer forward on the parameters it
+        holds (at exit, once the process groups are gone, and on meta copies that only compute output shapes)."""
+        self._tp = None
+
     @classmethod
     def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
         """Parameter names (relative to ``module``) that are split, and how; the others stay replicated.
