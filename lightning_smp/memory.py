@@ -5,7 +5,8 @@ activation estimate of Korthikanti et al. 2022 (Table 2), whether the largest ra
 over layouts for a device count. What a rank holds is not re-derived here: the package's own pure plans run on the
 model (best built on the meta device) — ``plan_tensor_parallel`` says which parameters each tensor-parallel rank
 keeps 1/tp of, ``find_trunk`` / ``describe_children`` / ``plan_partition`` which trunk children each stage keeps,
-the pipeline schedule how many microbatches a stage holds at once — so the estimate follows the code that trains.
+``plan_outside`` which stages keep the modules outside the trunk, the pipeline schedule how many microbatches a
+stage holds at once — so the estimate follows the code that trains.
 """
 
 from __future__ import annotations
@@ -23,10 +24,12 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.partition import (
+    OutsidePlan,
     PartitionPlan,
     assigned_partition,
     describe_children,
     find_trunk,
+    plan_outside,
     plan_partition,
 )
 from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
@@ -343,17 +346,17 @@ def _tensor_parallel_shards(
 
 @dataclass(frozen=True)
 class _Placement:
-    """Which pipeline stages hold a parameter or module, from the partition plan."""
+    """Which pipeline stages hold a parameter or module: the partition plan and the plan of what lies outside the
+    trunk, as the pipeline engine builds them."""
 
     stages: int
-    plan: PartitionPlan | None
-    trunk_index: int  # the trunk's position in the model's module order
-    order: Mapping[str, int]  # module name -> position in the model's module order
+    plan: PartitionPlan | None = None
+    outside: OutsidePlan | None = None
 
     @classmethod
     def of(cls, model: nn.Module, stages: int, config: SMPConfig) -> _Placement:
         if stages == 1:
-            return cls(1, None, 0, {})
+            return cls(1)
         trunk_name, trunk = find_trunk(model, config.pipeline_module)
         assignment = None
         if not config.auto_partition and config.partition is None:
@@ -369,29 +372,25 @@ class _Placement:
             assignment=assignment,
             default=config.default_partition,
         )
-        order = {name: index for index, (name, _) in enumerate(model.named_modules())}
-        return cls(stages, plan, order[trunk_name], order)
+        return cls(stages, plan, plan_outside(model, plan))
 
     def stages_of(self, names: Sequence[str]) -> set[int]:
         """The stages holding what is registered under ``names`` (parameter or module names): a trunk child's
-        stage; outside the trunk, the first stage before it and the last after it, both for a weight registered
-        on both sides (tied)."""
-        if self.plan is None:
+        stage; outside the trunk the side it lies on (tied weights: the first and the last stage; parameters on
+        the trunk's ancestors: every stage)."""
+        if self.plan is None or self.outside is None:
             return {0}
         prefix = f"{self.plan.trunk}."
         stages = {self.plan.stage_of(int(n[len(prefix) :].split(".")[0])) for n in names if n.startswith(prefix)}
-        outside = [n for n in names if not n.startswith(prefix)]
-        if len(outside) > 1:
-            return stages | {0, self.stages - 1}
-        for name in outside:
-            stages.add(0 if self._position(name) < self.trunk_index else self.stages - 1)
+        for name in (n for n in names if not n.startswith(prefix)):
+            side = self.outside.side_of(name)
+            if name in self.outside.tied:
+                stages |= {0, self.stages - 1}
+            elif side is None:
+                stages |= set(range(self.stages))
+            else:
+                stages.add(side)
         return stages
-
-    def _position(self, name: str) -> int:
-        """Where ``name`` (a module, or a parameter of a module) comes in the model's module order."""
-        while name not in self.order:
-            name = name.rpartition(".")[0]
-        return self.order[name]
 
 
 def _in_flight(stages: int, stage: int, config: SMPConfig) -> int:
