@@ -223,7 +223,9 @@ def fitting_layouts(
                 tensor_parallel_degree=layout.tp,
                 partition=base.partition if layout.pp == base.pipeline_parallel_degree else None,
             )
-            module = model if isinstance(model, nn.Module) else built.setdefault(layout.tp, model(layout.tp))
+            if not isinstance(model, nn.Module) and layout.tp not in built:
+                built[layout.tp] = model(layout.tp)
+            module = model if isinstance(model, nn.Module) else built[layout.tp]
             report = _report(module, layout, config_, memory, micro_batch_size, sequence_length)
         except ValueError:
             continue  # the model cannot take this layout; its own error says why when it is the one configured
@@ -271,7 +273,7 @@ def parse_bytes(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
     if match is None or match.group(2).lower() not in _UNITS:
         raise ValueError(
-            f"device memory {text!r} is not a size; write it as a number with a unit, e.g. '40GiB', '80GB' or "
+            f"device memory {text!r} is not a size; give a number with a unit, e.g. '40GiB', '80GB' or "
             "'141G' (binary), or a plain number of bytes."
         )
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])

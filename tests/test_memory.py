@@ -2,6 +2,11 @@
 activation formula, the fit verdict and the layout search (pure, on meta-device models), and its agreement with
 the bytes `benchmarks/memory_scale.py` measures on live ranks."""
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +14,7 @@ from torch import nn
 from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
 from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
 
+_REPO = Path(__file__).resolve().parents[1]
 VOCAB, WIDTH, HEADS, FF, LAYERS = 64, 16, 2, 32, 4
 
 
@@ -179,6 +185,19 @@ def test_fitting_layouts_lists_what_fits_smallest_model_parallel_degree_first():
     assert layouts_table(found).splitlines()[1].split()[:3] == [str(found[0].layout.pp), str(found[0].layout.tp), "4"]
 
 
+def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
+    built = []
+
+    def build(tp: int) -> nn.Module:
+        built.append(tp)
+        return _gpt(tensor_parallel=tp > 1)  # as `smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`
+
+    found = fitting_layouts(build, devices=4, device_memory="1GiB")
+    assert sorted(built) == [1, 2, 4]
+    by_degrees = {(r.layout.pp, r.layout.tp): r.largest.parameters for r in found}
+    assert by_degrees[(1, 2)] < 0.6 * by_degrees[(1, 1)]  # built tensor-parallel, so split
+
+
 def test_device_memory_is_read_in_binary_and_decimal_units():
     assert parse_bytes("40GiB") == 40 * 2**30
     assert parse_bytes("80GB") == 80 * 10**9
@@ -186,7 +205,7 @@ def test_device_memory_is_read_in_binary_and_decimal_units():
     assert parse_bytes("1.5 MiB") == 3 * 2**19
     assert parse_bytes("1024") == 1024
     assert format_bytes(3 * 2**29) == "1.5 GiB"
-    with pytest.raises(ValueError, match="'40 gigs' is not a size; write it as a number with a unit"):
+    with pytest.raises(ValueError, match="'40 gigs' is not a size; give a number with a unit"):
         parse_bytes("40 gigs")
 
 
@@ -200,3 +219,36 @@ def test_bad_inputs_name_the_fix():
     with pytest.raises(ValueError, match="devices=0 is not a device count"):
         fitting_layouts(_gpt(), devices=0, device_memory="1GiB")
     assert estimate_memory(_gpt(), config=SMPConfig(fp16=True)).precision == "fp16 with fp32 masters"
+
+
+# -- against the live ranks -------------------------------------------------------------------------------------------
+
+
+def _measured_and_planned(tmp_path: Path, layouts: str) -> list[dict]:
+    out = tmp_path / "memory_scale.json"
+    command = [sys.executable, str(_REPO / "benchmarks" / "memory_scale.py"), "--size", "smoke"]
+    command += ["--layouts", layouts, "--out", str(out)]
+    try:
+        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        pytest.fail("benchmarks/memory_scale.py --size smoke ran past 900 s", pytrace=False)
+    assert done.returncode == 0, f"memory_scale.py failed:\n{done.stderr[-3000:]}"
+    return json.loads(out.read_text())["rows"]
+
+
+def test_planned_model_states_are_within_10_percent_of_the_measured_bytes(tmp_path):
+    """One device, tp2, pp2 and pp2 x tp2, tied and untied head: every rank's parameters + gradients + masters +
+    master gradients + optimizer state as the planner counts them, against the live tensors of a two-step fit."""
+    layouts = ("1", "tp2", "pp2", "pp2xtp2")
+    rows = _measured_and_planned(tmp_path, ",".join(layouts))
+    assert [(row["head"], row["layout"], len(row["ranks"])) for row in rows] == [
+        (head, layout, ranks)
+        for head in ("untied", "tied")
+        for layout, ranks in zip(layouts, (1, 2, 2, 4), strict=True)
+    ]
+    kinds = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
+    for row in rows:
+        for rank in row["ranks"]:
+            measured = sum(rank[kind] for kind in kinds)
+            planned = sum(rank["planned"][kind] for kind in kinds)
+            assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
