@@ -62,7 +62,11 @@ ASSUMPTIONS = (
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Degrees of one layout; ``pp * tp * dp`` devices."""
+    """Degrees of one layout; ``pp * tp * dp`` devices.
+
+    Sharding over the data-parallel replicas (smp's ``shard_optimizer_state``, sharded data parallelism) does not
+    exist yet; when it does, its setting belongs here, `_layouts` enumerates it, and `_report` divides the
+    sharded kinds by dp."""
 
     pp: int
     tp: int
@@ -217,7 +221,7 @@ def fitting_layouts(
     found = []
     for layout in _layouts(devices):
         try:
-            config_ = dataclasses.replace(
+            layout_config = dataclasses.replace(
                 base,
                 pipeline_parallel_degree=layout.pp,
                 tensor_parallel_degree=layout.tp,
@@ -226,7 +230,7 @@ def fitting_layouts(
             if not isinstance(model, nn.Module) and layout.tp not in built:
                 built[layout.tp] = model(layout.tp)
             module = model if isinstance(model, nn.Module) else built[layout.tp]
-            report = _report(module, layout, config_, memory, micro_batch_size, sequence_length)
+            report = _report(module, layout, layout_config, memory, micro_batch_size, sequence_length)
         except ValueError:
             continue  # the model cannot take this layout; its own error says why when it is the one configured
         if report.fits:
