@@ -146,8 +146,8 @@ def _tensor_parallel_streams(module: nn.Module) -> list[TensorParallelRNG]:
     """The dropout streams of the tensor-parallel layers inside ``module`` (one per `parallelize` call)."""
     streams = {}
     for layer in module.modules():
-        if isinstance(layer, TensorParallelModule) and layer.tp_distributed:
-            streams[id(layer._tp.rng)] = layer._tp.rng
+        if isinstance(layer, TensorParallelModule) and layer.tp_context is not None:
+            streams[id(layer.tp_context.rng)] = layer.tp_context.rng
     return list(streams.values())
 
 

@@ -1,12 +1,10 @@
-"""Delayed (meta-device) initialisation whose values are bit-identical to an eager build with the same seed.
+"""Delayed (meta-device) initialisation whose values are bit-identical to an eager CPU build with the same seed.
 
-Owns recording, while a model is built on the meta device, every aten op that gives its parameters and buffers their
-values, and replaying those ops per tensor on the CPU when a rank materialises what it keeps; it does not decide what a
-rank keeps (the strategy passes the cuts). It records ops (a ``TorchDispatchMode``) instead of calling ``to_empty()``
-and ``reset_parameters()`` afterwards because only the ops the constructors really ran reproduce an eager build: deep
-copies (``nn.TransformerEncoder``), re-initialisation in Hugging Face's ``post_init``, and the generator state each
-random op drew from. Each tensor is rebuilt whole, cut and freed (Megatron's CPU initialisation), so the peak is what
-a rank keeps plus about one tensor, and the values match one device whatever the layout.
+Owns recording the aten ops that give a model built on the meta device its parameter and buffer values, and replaying
+them per tensor when a rank materialises what it keeps (the strategy decides what: it passes the cuts). Recording
+rather than ``to_empty()`` + ``reset_parameters()``, because only the ops the constructors ran (deep copies,
+``post_init`` re-initialisation, the generator state each random op drew from) reproduce an eager build; each tensor
+is rebuilt whole, cut and freed (Megatron's CPU initialisation), so the peak is what a rank keeps plus one tensor.
 
 What a custom module needs to be materialisable
 ------------------------------------------------
@@ -21,22 +19,27 @@ tensor has no data until it is materialised:
   boolean-mask indexing): compute it from Python numbers instead, or build that module outside ``deferred_init()``
   and pass it in; the error names the op;
 - changing parameters after ``deferred_init()`` has exited and before materialisation: such changes are not
-  recorded, so do them inside the ``with`` block (or after materialisation);
-- tensors created on the meta device outside ``deferred_init()`` (``device="meta"`` by hand, or in an earlier
-  block): their value is unknown, and materialising them raises an error naming them;
-- ``orthogonal_``, ``dirac_`` and ``sparse_`` reached other than as ``torch.nn.init.<name>`` (a copy bound before
-  the block, e.g. ``from torch.nn.init import orthogonal_``): torch skips meta tensors in them, so call them through
-  ``torch.nn.init`` (``trunc_normal_`` is seen however it is reached).
+  recorded, so do them inside the ``with`` block (or after materialisation). Views taken afterwards (slices,
+  ``.t()``, ``nn.Parameter(view)``) stay deferred and materialise to the view of the value; copies do not;
+- tensors made on the meta device by hand (``device="meta"``, inside or outside the block) or in an earlier block:
+  they are not recorded, and materialising a parameter or buffer computed from one raises an error naming it;
+- ``orthogonal_``, ``dirac_`` and ``sparse_`` reached other than as ``torch.nn.init.<name>`` or through Hugging
+  Face's ``transformers.initialization`` (a copy bound before the block, e.g. ``from torch.nn.init import
+  orthogonal_``): torch skips meta tensors in them, so call them through ``torch.nn.init`` (``trunc_normal_`` is
+  seen however it is reached).
 
-Random values come from the default CPU generator (or the generator passed to the op), exactly as an eager CPU build
-draws them, and the generator ends where the eager build leaves it. Inside the block the default device still reads
-as the CPU (so Hugging Face's ``post_init`` initialises); factories without ``device=`` make meta tensors. Tensors a
-constructor creates with an explicit real ``device=`` are real, not deferred, and are left as they are.
+Parameters, buffers and tensors a module keeps as plain attributes (directly or in a dict or list, as torchmetrics
+keeps metric states) are materialised. Random values come from the default CPU generator (or the generator passed
+to the op), exactly as an eager CPU build draws them, and the generator ends where the eager build leaves it. Inside
+the block the default device still reads as the CPU (so Hugging Face's ``post_init`` initialises); factories without
+``device=`` make meta tensors, while ``torch.tensor([...])`` constants and tensors made with an explicit real
+``device=`` stay real and are left as they are.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -84,6 +87,7 @@ _COPIES = frozenset({_aten.clone.default, _aten._to_copy.default, _aten.lift_fre
 # it looks up at each call, so that copies of ``trunc_normal_`` bound elsewhere (Hugging Face's) are seen too.
 _INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 _DATA_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
@@ -99,6 +103,18 @@ class _Ref:
     stride: tuple[int, ...]
     offset: int
     nbytes: int  # of the whole storage
+
+    @staticmethod
+    def of(tensor: Tensor, sid: int, version: int) -> _Ref:
+        return _Ref(
+            sid=sid,
+            version=version,
+            dtype=tensor.dtype,
+            size=tuple(tensor.shape),
+            stride=tuple(tensor.stride()),
+            offset=tensor.storage_offset(),
+            nbytes=tensor.untyped_storage().nbytes(),
+        )
 
     @property
     def node(self) -> tuple[int, int]:
@@ -212,21 +228,16 @@ class _Recorder(TorchDispatchMode):
         return sid
 
     def _ref(self, tensor: Tensor, sid: int) -> _Ref:
-        return _Ref(
-            sid=sid,
-            version=self._recording.last_write.get(sid, -1),
-            dtype=tensor.dtype,
-            size=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            offset=tensor.storage_offset(),
-            nbytes=tensor.untyped_storage().nbytes(),
-        )
+        return _Ref.of(tensor, sid, self._recording.last_write.get(sid, -1))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat, spec = tree_flatten((args, kwargs))
-        if not any(_on_meta(leaf) for leaf in flat):
-            return func(*args, **kwargs)  # real tensors only: an ordinary eager op
+        if getattr(_ACTIVE, "paused", False) or not any(_on_meta(leaf) for leaf in flat):
+            return func(*args, **kwargs)  # real tensors only (or a meta tensor asked for by hand): run it as eagerly
+        metas = [leaf for leaf in flat if _is_meta_tensor(leaf)]
+        if metas and not any(_lookup(leaf) is not None for leaf in metas):
+            return func(*args, **kwargs)  # only meta tensors made by hand: as eagerly, a meta op that draws nothing
         if torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags:
             raise RuntimeError(
                 f"deferred_init(): {func} needs the values of a deferred (meta) tensor while the model is being built "
@@ -253,11 +264,21 @@ class _Recorder(TorchDispatchMode):
             others_read_it = sum(r is not None and r.sid == sid for r in refs) > 1
             if (func in _OVERWRITES_SELF and ref.covers_storage() and not others_read_it) or _is_out(func, sid, refs):
                 reads.discard(ref.node)
-        recorded_args = [ref if ref is not None else _record_leaf(leaf) for leaf, ref in zip(flat, refs, strict=True)]
 
         meta_args, meta_kwargs = tree_unflatten([_to_meta(leaf) for leaf in flat], spec)
-        out = func(*meta_args, **meta_kwargs)
+        try:
+            out = func(*meta_args, **meta_kwargs)
+        except NotImplementedError as error:
+            raise RuntimeError(
+                f"deferred_init(): {func} cannot run on the meta device ({error}). Build the module that calls it "
+                "outside deferred_init() and pass it in, or compute that tensor with other ops."
+            ) from error
 
+        refs_by_leaf = {id(leaf): ref for leaf, ref in zip(flat, refs, strict=True) if ref is not None}
+        recorded_kwargs = _explicit_dtype(func, kwargs, out)
+        if recorded_kwargs is not kwargs:
+            flat, spec = tree_flatten((args, recorded_kwargs))
+        recorded_args = [refs_by_leaf[id(leaf)] if _is_meta_tensor(leaf) else _record_leaf(leaf) for leaf in flat]
         index = len(self._recording.ops)
         flat_out, _ = tree_flatten(out)
         fresh = []
@@ -278,13 +299,10 @@ class _Recorder(TorchDispatchMode):
         """Record ``function(tensor, *args, **kwargs)``, an initialiser that fills ``tensor`` in place and needs real
         values to do so, as one op; advance its generator by running it on a real scratch tensor."""
         ref = self._ref(tensor, self._input_sid(tensor))
-        generator = kwargs.get("generator")
-        state = (generator if generator is not None else torch.default_generator).get_state()
-        _ACTIVE.paused = True
-        try:
+        generators = [leaf for leaf in (*args, *kwargs.values()) if isinstance(leaf, torch.Generator)]
+        state = (generators[0] if generators else torch.default_generator).get_state()
+        with _paused():
             function(_scratch(tensor), *args, **kwargs)
-        finally:
-            _ACTIVE.paused = False
         flat, spec = tree_flatten(((ref, *args), kwargs))
         index = len(self._recording.ops)
         reads = frozenset() if ref.covers_storage() else frozenset({ref.node})
@@ -303,6 +321,15 @@ class _Recorder(TorchDispatchMode):
         scratch_args, scratch_kwargs = tree_unflatten([_scratch(leaf) for leaf in flat], spec)
         func(*scratch_args, **scratch_kwargs)
         return state
+
+
+def _explicit_dtype(func, kwargs: dict, out: Any) -> dict:
+    """``kwargs`` with ``dtype=`` set to the output's when the op left it to the default dtype, so that replay gives
+    the dtype the build did whatever the default dtype is then (precision plugins change it around model creation)."""
+    takes_dtype = any(argument.name == "dtype" and argument.kwarg_only for argument in func._schema.arguments)
+    if not takes_dtype or kwargs.get("dtype") is not None or not isinstance(out, Tensor):
+        return kwargs
+    return {**kwargs, "dtype": out.dtype}
 
 
 def _on_meta(leaf: Any) -> bool:
@@ -363,6 +390,16 @@ def _scratch(leaf: Any) -> Any:
     return leaf
 
 
+@contextmanager
+def _paused() -> Iterator[None]:
+    """Run ops as they would run outside deferred_init() (scratch runs, meta tensors asked for by hand)."""
+    _ACTIVE.paused = True
+    try:
+        yield
+    finally:
+        _ACTIVE.paused = False
+
+
 def _recorded_call(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` (a ``torch.nn.init`` initialiser that does nothing to meta tensors), recorded for deferred ones."""
 
@@ -384,13 +421,12 @@ class _MetaFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (
-            kwargs.get("device") is None
-            and func in _device_constructors()
-            and func not in _DATA_CONSTRUCTORS
-            and not getattr(_ACTIVE, "paused", False)
-        ):
-            kwargs["device"] = _META
+        if func in _device_constructors() and func not in _DATA_CONSTRUCTORS and not getattr(_ACTIVE, "paused", False):
+            if kwargs.get("device") is None:
+                kwargs["device"] = _META
+            elif torch.device(kwargs["device"]).type == "meta":  # asked for by hand: a meta tensor, as eagerly
+                with _paused():
+                    return func(*args, **kwargs)
         return func(*args, **kwargs)
 
 
@@ -407,17 +443,30 @@ def deferred_init() -> Iterator[None]:
         return
     _prune()
     recorder = _Recorder(_Recording())
-    originals = {name: getattr(torch.nn.init, name) for name in _INITS_THAT_SKIP_META}
     _ACTIVE.recorder = recorder
     try:
-        for name, function in originals.items():
-            setattr(torch.nn.init, name, _recorded_call(function))
-        with _MetaFactories(), recorder:
+        with _recording_initialisers(), _MetaFactories(), recorder:
             yield
     finally:
-        for name, function in originals.items():
-            setattr(torch.nn.init, name, function)
         _ACTIVE.recorder = None
+
+
+@contextmanager
+def _recording_initialisers() -> Iterator[None]:
+    """Swap the initialisers torch skips for meta tensors for recording wrappers, in ``torch.nn.init`` and in the
+    table of them Hugging Face's ``transformers.initialization`` bound at import."""
+    tables = [vars(torch.nn.init)]
+    huggingface = sys.modules.get("transformers.initialization")
+    if huggingface is not None and isinstance(getattr(huggingface, "TORCH_INIT_FUNCTIONS", None), dict):
+        tables.append(huggingface.TORCH_INIT_FUNCTIONS)
+    originals = [(table, name, table[name]) for table in tables for name in _INITS_THAT_SKIP_META if name in table]
+    try:
+        for table, name, function in originals:
+            table[name] = _recorded_call(function)
+        yield
+    finally:
+        for table, name, function in originals:
+            table[name] = function
 
 
 def is_deferred(tensor: Tensor) -> bool:
@@ -447,28 +496,53 @@ def materialize_module(
     tied parameters stay tied.
 
     A tensor shared by several names (tied weights) is cut once, with the cut for the name ``named_parameters()``
-    gives it first.
+    gives it first. Deferred tensors kept as plain attributes of a submodule, directly or in a dict or list
+    attribute (torchmetrics' metric states, constants a constructor keeps), are materialised too.
     """
-    owners: dict[int, list[tuple[nn.Module, str, bool]]] = {}
+    places: dict[int, list[tuple[dict | list, Any]]] = {}  # tensor -> where it is held: (container, key)
     entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]] = []
-    for module_name, submodule in module.named_modules(remove_duplicate=False):
-        for is_parameter, tensors in ((True, submodule._parameters), (False, submodule._buffers)):
-            for local_name, tensor in tensors.items():
-                if tensor is None or not tensor.is_meta:
-                    continue
-                if id(tensor) not in owners:
-                    name = f"{module_name}.{local_name}" if module_name else local_name
-                    chosen = cut(name, tensor) if cut is not None else None
-                    entries.append((name, tensor, chosen if chosen is not None else _whole))
-                    owners[id(tensor)] = []
-                owners[id(tensor)].append((submodule, local_name, is_parameter))
+    for name, container, key, tensor in _deferred_places(module):
+        if id(tensor) not in places:
+            chosen = cut(name, tensor) if cut is not None else None
+            entries.append((name, tensor, chosen if chosen is not None else _whole))
+            places[id(tensor)] = []
+        places[id(tensor)].append((container, key))
     values = _materialize(entries, torch.device(device))
     for (_, old, _), value in zip(entries, values, strict=True):
         if isinstance(old, nn.Parameter):
             value = nn.Parameter(value, requires_grad=old.requires_grad)
             value.__dict__.update(old.__dict__)  # attributes code set on the parameter (e.g. Hugging Face's flags)
-        for submodule, local_name, is_parameter in owners[id(old)]:
-            (submodule._parameters if is_parameter else submodule._buffers)[local_name] = value
+        for container, key in places[id(old)]:
+            container[key] = value
+
+
+def _deferred_places(module: nn.Module) -> Iterator[tuple[str, dict | list, Any, Tensor]]:
+    """(qualified name, container, key, tensor) for the meta tensors a module holds: every meta parameter and buffer
+    first (in ``named_parameters()`` / ``named_buffers()`` order), then the deferred tensors among plain attributes
+    and their dict or list items (a meta attribute made by hand is the module's own business and stays)."""
+    modules = list(module.named_modules(remove_duplicate=False))
+    for table_name in _MODULE_TABLES[:2]:
+        for prefix, submodule in modules:
+            table = getattr(submodule, table_name)
+            for key, tensor in table.items():
+                if isinstance(tensor, Tensor) and tensor.is_meta:
+                    yield _qualified(prefix, key), table, key, tensor
+    for prefix, submodule in modules:
+        attributes = vars(submodule)
+        for key, value in list(attributes.items()):
+            if key in _MODULE_TABLES:
+                continue
+            if isinstance(value, Tensor) and is_deferred(value):
+                yield _qualified(prefix, key), attributes, key, value
+            elif isinstance(value, dict | list):
+                items = value.items() if isinstance(value, dict) else enumerate(value)
+                for item_key, item in list(items):
+                    if isinstance(item, Tensor) and is_deferred(item):
+                        yield f"{_qualified(prefix, key)}[{item_key!r}]", value, item_key, item
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _whole(value: Tensor) -> Tensor:
@@ -485,15 +559,7 @@ def _materialize(entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]], 
     by_recording: dict[int, tuple[_Recording, list[tuple[int, _Ref, Callable[[Tensor], Tensor], str]]]] = {}
     for position, (name, tensor, cut) in enumerate(entries):
         recording, sid = _checked(name, tensor)
-        ref = _Ref(
-            sid=sid,
-            version=recording.last_write[sid],
-            dtype=tensor.dtype,
-            size=tuple(tensor.shape),
-            stride=tuple(tensor.stride()),
-            offset=tensor.storage_offset(),
-            nbytes=tensor.untyped_storage().nbytes(),
-        )
+        ref = _Ref.of(tensor, sid, recording.last_write[sid])
         by_recording.setdefault(id(recording), (recording, []))[1].append((position, ref, cut, name))
     results: list[Tensor | None] = [None] * len(entries)
     for recording, targets in by_recording.values():
@@ -511,9 +577,10 @@ def _checked(name: str, tensor: Tensor) -> tuple[_Recording, int]:
     found = _lookup(tensor)
     if found is None:
         raise ValueError(
-            f"{name} (shape {tuple(tensor.shape)}) is a meta tensor made outside deferred_init(), so its values are "
-            "unknown. Create the module that owns it inside `with deferred_init():` (without device='meta'), or "
-            "build it eagerly."
+            f"{name} (shape {tuple(tensor.shape)}) is a meta tensor made outside deferred_init() (device='meta' by "
+            "hand, or a copy or conversion made after the block: copy.deepcopy, module.half(), .to()), so its "
+            "values are unknown. Build the module that owns it, and copy or convert it, inside `with "
+            "deferred_init():` (without device='meta'), or make the copy after materialisation."
         )
     return found
 
@@ -574,7 +641,10 @@ class _Replay:
             for position, ref, cut, name in self._groups[node]:
                 piece = cut(ref.view(slot.storage))
                 if not isinstance(piece, Tensor):
-                    raise TypeError(f"the cut for {name} returned {type(piece).__name__}, not a tensor")
+                    raise TypeError(
+                        f"the cut for {name} returned {type(piece).__name__}, not a tensor; make it return a tensor "
+                        "(e.g. a slice of the value it is given)"
+                    )
                 self._results[position] = torch.empty(piece.shape, dtype=piece.dtype, device=self._device).copy_(piece)
             self._use(node)
 
@@ -585,14 +655,12 @@ class _Replay:
         if self._uses[node] == 0:
             del self._live[node]
 
-    def _bind(self, node: tuple[int, int], storage: torch.UntypedStorage, slot: _Slot | None = None) -> None:
+    def _bind(self, node: tuple[int, int], slot: _Slot) -> None:
+        """Keep ``slot`` as the value of ``node`` while uses of the node are still to come."""
         uses = self._uses.get(node, 0)
-        if uses == 0:
-            return
-        if slot is None:
-            slot = _Slot(storage, 0)
-        slot.pending += uses
-        self._live[node] = slot
+        if uses:
+            slot.pending += uses
+            self._live[node] = slot
 
     @torch.no_grad()
     def _run(self, op: _Op) -> None:
@@ -634,7 +702,7 @@ class _Replay:
         for node in op.reads:
             self._use(node)
         for sid in op.writes:
-            self._bind((sid, op.index), storages[sid])
+            self._bind((sid, op.index), _Slot(storages[sid], 0))
         flat_out, _ = tree_flatten(out)
         for position, ref in op.fresh:
             value = flat_out[position]
@@ -646,7 +714,7 @@ class _Replay:
                 laid_out = torch.empty(ref.nbytes, dtype=torch.uint8, device=_CPU).untyped_storage()
                 ref.view(laid_out).copy_(value)
                 value = ref.view(laid_out)
-            self._bind((ref.sid, op.index), value.untyped_storage())
+            self._bind((ref.sid, op.index), _Slot(value.untyped_storage(), 0))
 
     def _share(self, op: _Op) -> bool:
         """A copy whose output has its input's layout shares the input's storage (copied only if later written)."""
@@ -662,7 +730,7 @@ class _Replay:
             out.nbytes,
         ):
             return False
-        self._bind(out.node, None, self._live[source.node])  # type: ignore[arg-type]
+        self._bind(out.node, self._live[source.node])
         return True
 
 

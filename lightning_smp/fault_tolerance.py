@@ -4,7 +4,7 @@ a run that succeeded ends with exit code 0 on every rank.
 It owns the SIGTERM agreement (every rank stops after the same training step, voted without a blocking
 collective), the explanation added to an error when a peer rank was lost, in the process that launched the other
 ranks, ending them and saying how each one ended, and closing the process groups at interpreter exit. It does not
-own checkpoint atomicity (`checkpoint.py`) nor the timeout value (the strategy's `timeout`).
+own checkpoint atomicity (`checkpoint/`) nor the timeout value (the strategy's `timeout`).
 """
 
 from __future__ import annotations

@@ -21,23 +21,11 @@ from torch.optim import Optimizer
 
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
+from lightning_smp.placement import placement_of
 
-__all__ = ["HALF_DTYPES", "MasterWeightOptimizer", "clip_grad_norm_counted", "global_grad_norm", "mark_norm_duplicate"]
+__all__ = ["HALF_DTYPES", "MasterWeightOptimizer", "clip_grad_norm_counted", "global_grad_norm"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-_NORM_DUPLICATE = "_smp_norm_duplicate"
-
-
-def mark_norm_duplicate(param: Tensor) -> None:
-    """Leave ``param`` out of the global gradient norm: another rank of the norm group holds the same values
-    (a tensor-parallel-replicated parameter on tp_rank > 0, the last stage's copy of a tied embedding).
-    smp and Megatron mark such parameters ``shared`` for the same reason: each value must count once."""
-    setattr(param, _NORM_DUPLICATE, True)
-
-
-def _counts_in_norm(param: Tensor) -> bool:
-    return not getattr(param, _NORM_DUPLICATE, False)
 
 
 @dataclass
@@ -104,7 +92,7 @@ class MasterWeightOptimizer(Optimizer):
         self._skipped_steps = torch.zeros((), dtype=torch.float32, device=device)
         self._last_skip = HostMirror(device)
         self._fused = any(group.get("fused") for group in optimizer.param_groups)
-        self._norm_counts = [_counts_in_norm(p) for p in self._half_params + self._own_master_params]
+        self._norm_counts = [placement_of(p).counts_in_norm for p in self._half_params + self._own_master_params]
 
     # -- the inner optimizer's objects, shared ------------------------------------------------------------------
 
@@ -407,12 +395,15 @@ def global_grad_norm(
 
 
 def clip_grad_norm_counted(params: list[Tensor], max_norm: float, *, group: dist.ProcessGroup | None) -> Tensor:
-    """Clip the grads of plain (fp32) ``params`` by their global norm over ``group``, counting parameters marked
-    with `mark_norm_duplicate` once, as `MasterWeightOptimizer.clip_master_grads` does for masters."""
+    """Clip the grads of plain (fp32) ``params`` by their global norm over ``group``, counting each value once (a
+    parameter whose placement is a norm duplicate does not count), as `MasterWeightOptimizer.clip_master_grads`
+    does for masters."""
     with_grads = [p for p in params if p.grad is not None]
     grads = [p.grad for p in with_grads]
     device = grads[0].device if grads else torch.device("cpu")
-    norm = global_grad_norm([p.grad for p in with_grads if _counts_in_norm(p)], 2.0, group=group, device=device)
+    norm = global_grad_norm(
+        [p.grad for p in with_grads if placement_of(p).counts_in_norm], 2.0, group=group, device=device
+    )
     if grads:
         torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm

@@ -8,7 +8,6 @@ checkpoint-level round trip of hand-made tensor-parallel shards (packed q/k/v bl
 
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -23,8 +22,9 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
-from lightning_smp.checkpoint import CheckpointError
+from lightning_smp.checkpoint import CheckpointError, loading, storage
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
+from lightning_smp.placement import TPShard, place_tp_shard
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, quiet_trainer
 
@@ -201,16 +201,6 @@ def _resume_gpt(layouts, root):
 # -- tensor-parallel shards, by hand ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Shard:
-    """The fields of lightning_smp.tensor_parallel.shard.TPShard that checkpoints read."""
-
-    dim: int
-    index: int
-    parts: int
-    blocks: int = 1
-
-
 def _slice(whole, dim, blocks, index, parts):
     return torch.cat([block.chunk(parts, dim=dim)[index] for block in whole.chunk(blocks, dim=dim)], dim=dim)
 
@@ -241,7 +231,7 @@ def _sharded_module(rank):
     module = _whole_module()
     for name, (dim, blocks) in _TP_SPECS.items():
         piece = nn.Parameter(_slice(getattr(module, name).detach(), dim, blocks, rank, 2))
-        piece._smp_tp_shard = _Shard(dim, rank, 2, blocks)
+        place_tp_shard(piece, TPShard(dim, rank, 2, blocks))
         setattr(module, name, piece)
     return module
 
@@ -485,7 +475,7 @@ def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_p
     staging.mkdir()
     (staging / checkpoint.META_FILENAME).write_text("new")
     calls = []
-    real_replace = checkpoint.os.replace
+    real_replace = storage.os.replace
 
     def crash_on_second(source, destination):
         calls.append(source)
@@ -493,13 +483,13 @@ def test_a_crash_between_the_renames_falls_back_to_the_previous_checkpoint(tmp_p
             raise KeyboardInterrupt  # the process dies between moving the old checkpoint aside and renaming the new
         real_replace(source, destination)
 
-    monkeypatch.setattr(checkpoint.os, "replace", crash_on_second)
+    monkeypatch.setattr(storage.os, "replace", crash_on_second)
     with pytest.raises(KeyboardInterrupt):
-        checkpoint._publish(staging, path)
+        storage.publish(staging, path)
     assert not path.exists()
     assert checkpoint.resolve(path) == tmp_path / "last.ckpt.previous"  # whole, and loaded with a warning
     monkeypatch.undo()
-    checkpoint._publish(staging, path)  # the next save of the same name completes the swap
+    storage.publish(staging, path)  # the next save of the same name completes the swap
     assert (path / checkpoint.META_FILENAME).read_text() == "new"
     assert not (tmp_path / "last.ckpt.previous").exists()
 
@@ -566,8 +556,8 @@ def test_names_the_checkpoint_lacks_or_has_extra_are_listed(tmp_path):
         for name, shape in {"net.0.weight": (16, 8), "net.0.bias": (16,), "head.weight": (1, 16)}.items()
     }
     metadata = Metadata(state_dict_metadata=saved)
-    targets = checkpoint._model_targets(TinyRegressor(), [])
-    problems = checkpoint._model_problems(targets, metadata, strict=True)
-    problems += checkpoint._unexpected_problems(metadata, set(targets))
+    targets = loading._model_targets(TinyRegressor(), [])
+    problems = loading._model_problems(targets, metadata, strict=True)
+    problems += loading._unexpected_problems(metadata, set(targets))
     assert "this model has 2 entries the checkpoint lacks: net.2.weight, net.2.bias" in problems[0]
     assert "it has 1 entries this model lacks: head.weight" in problems[1]

@@ -36,7 +36,7 @@ def _assert_same_tensors(eager: nn.Module, materialized: nn.Module) -> None:
     got |= dict(materialized.named_buffers(remove_duplicate=False))
     assert expected.keys() == got.keys()
     for name, value in expected.items():
-        assert got[name].device == _CPU and torch.equal(got[name], value), name
+        assert got[name].device == _CPU and got[name].dtype == value.dtype and torch.equal(got[name], value), name
 
 
 # -- modules whose constructors initialise themselves ----------------------------------------------------------
@@ -109,6 +109,48 @@ class _Tied(nn.Module):
         self.frozen = nn.Parameter(torch.randn(3), requires_grad=False)
 
 
+class _Orthogonal(nn.Module):
+    """Initialisers torch skips for meta tensors (they need values): recorded whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotation = nn.Parameter(torch.empty(6, 4))
+        self.conv = nn.Conv1d(4, 4, 3)
+        self.sparse = nn.Parameter(torch.empty(8, 5))
+        nn.init.orthogonal_(self.rotation, 1.0, torch.Generator().manual_seed(5))  # a generator passed by position
+        nn.init.dirac_(self.conv.weight)
+        nn.init.sparse_(self.sparse, sparsity=0.5)
+
+
+class _Converted(nn.Module):
+    """Dtype conversions, an ``out=`` op, ``x.add_(x)`` and a real tensor copied in and changed afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bf16 = nn.Linear(4, 3).to(torch.bfloat16)
+        self.register_buffer("total", torch.empty(3))
+        torch.add(self.bf16.bias.detach().float(), 1.0, out=self.total)
+        constant = torch.tensor([1.0, 2.0, 3.0])
+        self.doubled = nn.Parameter(torch.empty(3))
+        with torch.no_grad():
+            self.doubled.copy_(constant)
+            self.doubled.add_(self.doubled)
+        constant.mul_(10)  # after the copy: the parameter keeps the earlier values
+
+
+class _CopiedThenChanged(nn.Module):
+    """A copy taken before its source changes in place: the copy keeps the earlier value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = nn.Linear(4, 4)
+        self.copy = copy.deepcopy(self.source)
+        with torch.no_grad():
+            self.source.weight.mul_(2)
+            self.copy.bias.add_(self.source.bias)
+        nn.init.normal_(self.source.bias)
+
+
 _CASES = {
     "linear": lambda: nn.Linear(5, 7),
     "embedding": lambda: nn.Embedding(10, 4, padding_idx=2),
@@ -125,6 +167,9 @@ _CASES = {
     "buffers_from_arange_and_pow": _Rotary,
     "manual_seed_inside": _Reseeded,
     "tied": _Tied,
+    "initialisers_that_need_values": _Orthogonal,
+    "conversions_out_and_aliasing": _Converted,
+    "copy_then_source_changed": _CopiedThenChanged,
 }
 
 
@@ -148,6 +193,82 @@ def test_tied_parameters_stay_tied_and_buffers_keep_their_kind():
     _, rotary = _build_both(_Rotary)
     materialize_module(rotary, device=_CPU)
     assert set(rotary.state_dict()) == {"inv_freq", "scale", "noise"}  # "cos" stays non-persistent
+
+
+@pytest.mark.parametrize("order", [["copy.weight", "source.weight"], ["source.weight", "copy.weight", "copy.bias"]])
+def test_any_subset_in_any_order_gets_the_eager_values(order):
+    eager, deferred = _build_both(_CopiedThenChanged)
+    pieces = materialize([(deferred.get_parameter(name), lambda value: value) for name in order], device=_CPU)
+    for name, piece in zip(order, pieces, strict=True):
+        assert torch.equal(piece, eager.get_parameter(name)), name
+
+
+def test_materializing_under_another_default_dtype_gives_the_dtypes_of_the_build():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)  # as a precision plugin may around model creation
+    try:
+        eager, deferred = _build_both(_Rotary)
+    finally:
+        torch.set_default_dtype(previous)
+    materialize_module(deferred, device=_CPU)
+    _assert_same_tensors(eager, deferred)
+    assert deferred.scale.dtype == deferred.noise.dtype == torch.float64
+
+
+def test_blocks_materialize_together_and_a_later_block_cannot_read_an_earlier_one():
+    torch.manual_seed(0)
+    eager = nn.Linear(3, 3), nn.Linear(3, 3)
+    torch.manual_seed(0)
+    with deferred_init():
+        first = nn.Linear(3, 3)
+    with deferred_init():
+        second = nn.Linear(3, 3)
+        second.register_buffer("from_first", first.weight * 2)
+    pieces = materialize([(first.weight, _whole), (second.weight, _whole)], device=_CPU)
+    assert torch.equal(pieces[0], eager[0].weight) and torch.equal(pieces[1], eager[1].weight)
+    with pytest.raises(ValueError, match=r"from_first is computed from a meta tensor made outside its deferred_init"):
+        materialize_module(second, device=_CPU)
+
+
+def _whole(value: Tensor) -> Tensor:
+    return value
+
+
+class _Stateful(nn.Module):
+    """Tensors kept as plain attributes, directly and in a dict and a list (as torchmetrics keeps metric states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.counts = torch.zeros(3, dtype=torch.long)
+        self.defaults = {"total": torch.ones(2) * 3}
+        self.history = [torch.arange(4.0), "not a tensor"]
+        self.alias = self.linear.weight.detach()
+        self.placeholder = torch.empty(2, device="meta")  # not recorded: a hand-made meta attribute stays as it is
+
+
+def test_tensors_kept_as_attributes_are_materialized_too():
+    eager, deferred = _build_both(_Stateful)
+    materialize_module(deferred, device=_CPU)
+    assert torch.equal(deferred.counts, eager.counts) and deferred.counts.dtype == torch.long
+    assert torch.equal(deferred.defaults["total"], eager.defaults["total"])
+    assert torch.equal(deferred.history[0], eager.history[0]) and deferred.history[1] == "not a tensor"
+    assert torch.equal(deferred.alias, eager.alias) and torch.equal(deferred.linear.weight, eager.linear.weight)
+    assert deferred.placeholder.is_meta
+
+
+def test_torchmetrics_states_are_materialized():
+    torchmetrics = pytest.importorskip("torchmetrics")
+    eager = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    with deferred_init():
+        metric = torchmetrics.classification.MulticlassAccuracy(num_classes=3)
+    materialize_module(metric, device=_CPU)
+    for _ in range(2):  # the second round starts from the materialised defaults
+        for accuracy in (eager, metric):
+            accuracy.update(torch.tensor([0, 2, 1]), torch.tensor([0, 2, 2]))
+        assert torch.equal(metric.compute(), eager.compute())
+        eager.reset()
+        metric.reset()
 
 
 def test_a_module_built_before_the_eager_one_does_not_change_its_values():
@@ -185,6 +306,20 @@ def test_llama_equals_the_eager_build_with_its_rotary_buffers(tied):
     assert torch.equal(deferred(tokens).logits, eager(tokens).logits)
 
 
+def test_hugging_face_initialisers_that_torch_skips_on_meta_are_recorded():
+    initialization = pytest.importorskip("transformers.initialization")
+
+    def build() -> nn.Module:
+        module = nn.Linear(6, 4)
+        initialization.orthogonal_(module.weight)
+        initialization.trunc_normal_(module.bias, std=0.5)
+        return module
+
+    eager, deferred = _build_both(build)
+    materialize_module(deferred, device=_CPU)
+    _assert_same_tensors(eager, deferred)
+
+
 # -- cuts ------------------------------------------------------------------------------------------------------
 
 
@@ -194,9 +329,18 @@ def test_cuts_equal_the_slices_of_the_eager_values_and_are_new_contiguous_tensor
     columns = lambda value: value[:, 1::2]  # noqa: E731
     wanted = [(deferred[0].weight, rows), (deferred[0].weight, columns), (deferred[1].bias, rows)]
     pieces = materialize(wanted, device=_CPU)
-    assert torch.equal(pieces[0], eager[0].weight[2:4]) and torch.equal(pieces[1], eager[0].weight[:, 1::2])
+    assert torch.equal(pieces[0], eager[0].weight[2:4])
+    assert torch.equal(pieces[1], eager[0].weight[:, 1::2])
     assert torch.equal(pieces[2], eager[1].bias[2:4])
     assert all(piece.is_contiguous() and piece.untyped_storage().nbytes() == piece.nbytes for piece in pieces)
+
+
+def test_views_taken_after_the_block_materialize_to_the_view_of_the_eager_value():
+    eager, deferred = _build_both(lambda: nn.Linear(6, 4))
+    rows, transposed = deferred.weight[1:3], nn.Parameter(deferred.weight.t())
+    assert is_deferred(rows) and is_deferred(transposed)
+    pieces = materialize([(rows, _whole), (transposed, lambda value: value[:2])], device=_CPU)
+    assert torch.equal(pieces[0], eager.weight[1:3]) and torch.equal(pieces[1], eager.weight.t()[:2])
 
 
 def test_materialize_module_cuts_by_qualified_name_and_keeps_tied_parameters_tied():
@@ -287,18 +431,43 @@ def test_materializing_what_is_not_deferred_names_the_tensor_and_the_fix():
         materialize([(torch.zeros(2), lambda value: value)], device=_CPU)
     by_hand = nn.Linear(2, 2, device="meta")
     assert not is_deferred(by_hand.weight)
-    with pytest.raises(ValueError, match=r"weight \(shape \(2, 2\)\) is a meta tensor made outside deferred_init"):
+    with pytest.raises(
+        ValueError,
+        match=r"weight \(shape \(2, 2\)\) is a meta tensor made outside deferred_init\(\) \(device='meta' by hand",
+    ):
         materialize_module(by_hand, device=_CPU)
 
 
 def test_a_value_computed_from_a_hand_made_meta_tensor_names_the_tensor():
     outside = torch.empty(3, device="meta")
     with deferred_init():
-        module = nn.Module()
-        module.register_buffer("doubled", outside * 2)
-    assert is_deferred(module.doubled)
-    with pytest.raises(ValueError, match=r"doubled is computed from a meta tensor made outside its deferred_init"):
+        module = nn.Linear(3, 3)
+        module.register_buffer("mixed", module.bias + outside)
+    assert is_deferred(module.mixed)
+    with pytest.raises(ValueError, match=r"mixed is computed from a meta tensor made outside its deferred_init"):
         materialize_module(module, device=_CPU)
+
+
+def test_hand_made_meta_modules_inside_the_block_stay_meta_and_draw_nothing():
+    def build() -> nn.Module:
+        module = nn.Module()
+        module.before = nn.Linear(3, 3)
+        module.placeholder = nn.Linear(3, 3, device="meta")  # eagerly: meta, and its init draws nothing
+        module.after = nn.Linear(3, 3)
+        return module
+
+    eager, deferred = _build_both(build)
+    assert not is_deferred(deferred.placeholder.weight)
+    materialize_module(deferred.before, device=_CPU)
+    materialize_module(deferred.after, device=_CPU)
+    assert torch.equal(deferred.after.weight, eager.after.weight) and deferred.placeholder.weight.is_meta
+
+
+def test_a_copy_made_after_the_block_names_the_fix():
+    with deferred_init():
+        linear = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"a copy or conversion made after the block: copy.deepcopy"):
+        materialize_module(copy.deepcopy(linear), device=_CPU)
 
 
 def test_materializing_inside_the_block_is_refused():
@@ -306,3 +475,30 @@ def test_materializing_inside_the_block_is_refused():
         linear = nn.Linear(2, 2)
         with pytest.raises(RuntimeError, match="leave the `with deferred_init\\(\\):` block first"):
             materialize_module(linear, device=_CPU)
+
+
+def test_writing_a_real_tensor_from_a_deferred_one_names_the_fix():
+    real = torch.zeros(3, device="cpu")
+    with pytest.raises(RuntimeError, match=r"writes into a real cpu tensor from a deferred"), deferred_init():
+        real.copy_(nn.Linear(3, 3).bias)
+
+
+def test_a_nested_block_joins_the_outer_one_and_real_tensors_stay_real():
+    eager, _ = _build_both(lambda: nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    torch.manual_seed(0)
+    with deferred_init():
+        outer = nn.Linear(3, 3)
+        with deferred_init():
+            inner = nn.Linear(3, 3)
+        real = nn.init.orthogonal_(torch.empty(3, 3, device="cpu"))  # explicit device: eager, as outside the block
+        outer.register_buffer("from_inner", inner.weight + 1)
+    assert not real.is_meta and torch.linalg.matrix_rank(real) == 3
+    materialize_module(outer, device=_CPU)
+    assert torch.equal(outer.from_inner, eager[1].weight + 1)
+
+
+def test_a_cut_that_returns_no_tensor_names_the_tensor():
+    with deferred_init():
+        linear = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="the cut for weight returned list, not a tensor"):
+        materialize_module(linear, device=_CPU, cut=lambda name, tensor: lambda value: value.tolist())

@@ -16,7 +16,8 @@ from torch.optim import SGD, Adadelta, AdamW, Optimizer
 from torch.optim.lr_scheduler import StepLR
 
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lightning_smp.optimizer import MasterWeightOptimizer, clip_grad_norm_counted, mark_norm_duplicate
+from lightning_smp.optimizer import MasterWeightOptimizer, clip_grad_norm_counted
+from lightning_smp.placement import mark_norm_duplicate
 from tests.distributed import init_gloo, run_distributed
 
 SCALE = 2.0**10
@@ -611,7 +612,7 @@ def test_the_fused_cuda_step_never_waits_for_the_host() -> None:
 
 def test_params_marked_as_norm_duplicates_count_once() -> None:
     model = _model()
-    mark_norm_duplicate(model[2].weight)  # as if another rank held the same values
+    mark_norm_duplicate(model[2].weight, axis="tp")  # as if another rank held the same values
     wrapper = MasterWeightOptimizer(SGD(model.parameters(), lr=0.1), loss_scaler=StaticLossScaler(1.0))
     _backward(model, wrapper, 0)
     counted = [p.grad.float() for p in (model[0].weight, model[0].bias, model[2].bias)]
@@ -654,7 +655,7 @@ def _clip_half_of_a_vector(rank: int) -> list[float]:
     replicated = nn.Parameter(torch.zeros(1))
     replicated.grad = torch.tensor([10.0])
     if rank == 1:
-        mark_norm_duplicate(replicated)
+        mark_norm_duplicate(replicated, axis="tp")
     norm = clip_grad_norm_counted([shard, replicated], 1.0, group=torch.distributed.group.WORLD)
     return [norm.item(), torch.linalg.vector_norm(shard.grad).item()]
 

@@ -1,5 +1,6 @@
 """Pipeline planning without processes: microbatches, schedules, partitions, and the trunk's routing on one rank."""
 
+import copy
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -417,6 +418,8 @@ def test_a_later_stage_holds_no_module_before_the_trunk_and_replaces_its_output_
     assert last.embed.embedding_dim == 3  # a module's settings are readable on every stage
     with pytest.raises(AttributeError, match="'position' lives on pipeline stage 0 only, but stage 1 used"):
         _ = last.position.weight
+    copied = copy.deepcopy(last)  # e.g. an EMA callback's copy of the module
+    assert isinstance(copied.embed, StandIn) and copied.embed(idx).dtype == torch.float16
 
 
 def test_a_module_run_on_the_other_side_of_the_trunk_than_registered_is_a_clear_error():

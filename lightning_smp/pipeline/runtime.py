@@ -31,7 +31,6 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 from torchmetrics import Metric
 
-from lightning_smp.optimizer import mark_norm_duplicate
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
 from lightning_smp.pipeline.p2p import NOTHING, Transport
@@ -47,6 +46,7 @@ from lightning_smp.pipeline.partition import (
 )
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.pipeline.trace import measure_children
+from lightning_smp.placement import mark_norm_duplicate
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -72,7 +72,8 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         )
     trunk_name, trunk = find_trunk(module, config.pipeline_module)
     children = describe_children(trunk, trunk_name)
-    if getattr(module, "example_input_array", None) is not None:
+    if getattr(module, "example_input_array", None) is not None and not _on_meta(trunk):
+        # On the meta device (delayed initialisation) nothing can run yet: the cost model counts parameters.
         children = measure_children(module, trunk, children, module.example_input_array)
     assignment = None
     if not config.auto_partition and config.partition is None:
@@ -110,8 +111,12 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
     engine = PipelineEngine(module, plan=plan, router=router, topology=topology, config=config, outside=outside)
     if topology.pp > 1 and topology.is_last_stage:
         for param in engine.tied_parameters:
-            mark_norm_duplicate(param)  # the first stage's copy counts in the global norm
+            mark_norm_duplicate(param, axis="pp")  # the first stage's copy counts in the global norm
     return engine
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 @dataclass

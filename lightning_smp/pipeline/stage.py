@@ -217,8 +217,9 @@ class StandIn(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            pass
-        value = getattr(self._shapes, name, None)
+            if name.startswith("_") or "_shapes" not in self.__dict__:  # private, or not built yet (copy, pickle)
+                raise
+        value = getattr(self.__dict__["_shapes"], name, None)
         if value is not None and not isinstance(value, Tensor | nn.Module):
             return value  # a setting of the module (e.g. embedding_dim): the same on every stage
         raise AttributeError(
@@ -270,7 +271,7 @@ def _on_meta(module: nn.Module) -> nn.Module:
         for name, buffer in sub._buffers.items():
             if buffer is not None:
                 sub._buffers[name] = torch.empty_like(buffer, device="meta")
-        forget_group = getattr(sub, "forget_tensor_parallel_group", None)
+        forget_group = getattr(sub, "tp_forget_group", None)
         if forget_group is not None:
             forget_group()  # the whole-layer forward: no collective on meta tensors
     return module

@@ -14,6 +14,7 @@ all-reduce per attention block and per MLP forward, one per block backward (Shoe
 parameters would need their own optimizer path and redistribution rules for every op in torch's layers.
 """
 
+from lightning_smp.placement import TPShard
 from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttention, TensorParallelDropout
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
 from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
@@ -21,7 +22,7 @@ from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
 from lightning_smp.tensor_parallel.linear import ColumnParallelLinear, DistributedLinear, RowParallelLinear
 from lightning_smp.tensor_parallel.parallelize import parallelize
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
-from lightning_smp.tensor_parallel.shard import ShardSpec, TPShard, gather_shards, merge_shards, shard_of, slice_shard
+from lightning_smp.tensor_parallel.shard import ShardSpec, gather_shards, merge_shards, shard_of, slice_shard
 from lightning_smp.tensor_parallel.transformer import DistributedTransformerDecoderLayer, DistributedTransformerLayer
 from lightning_smp.tensor_parallel.vocab import DistributedEmbedding, DistributedLMHead, vocab_parallel_cross_entropy
 

@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_smp.placement import TPShard, place_tp_shard
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
-from lightning_smp.tensor_parallel.shard import SHARD_ATTRIBUTE, ShardSpec, TPShard, shard_of, slice_shard
+from lightning_smp.tensor_parallel.shard import ShardSpec, remember_meta_whole, shard_of, slice_shard
 
 __all__ = ["TensorParallel", "TensorParallelModule"]
 
@@ -54,9 +55,13 @@ class TensorParallelModule(nn.Module):
         """Whether this module holds shards (``parallelize`` has run), rather than the whole layer."""
         return self._tp is not None
 
-    def forget_tensor_parallel_group(self) -> None:
-        """Drop the tensor-parallel context: the module then runs its whole-layer forward on the parameters it
-        holds (at exit, once the process groups are gone, and on meta copies that only compute output shapes)."""
+    @property
+    def tp_context(self) -> TensorParallel | None:
+        """The tensor-parallel group, rank and dropout stream this module's forward uses; None until it is split."""
+        return self._tp
+
+    def tp_forget_group(self) -> None:
+        """Drop this module's reference to its tensor-parallel group (at teardown, once the groups are destroyed)."""
         self._tp = None
 
     @classmethod
@@ -89,7 +94,7 @@ class TensorParallelModule(nn.Module):
 def shard_parameter(
     module: nn.Module, name: str, spec: ShardSpec, tp: TensorParallel, shared: dict[int, nn.Parameter]
 ) -> None:
-    """Replace ``module.<name>`` by this rank's slice (marked with its `TPShard`); a no-op if already sharded."""
+    """Replace ``module.<name>`` by this rank's slice (placed as its `TPShard`); a no-op if already sharded."""
     whole = module._parameters[name]
     if whole is None or shard_of(whole) is not None:
         return
@@ -98,6 +103,8 @@ def shard_parameter(
         with torch.no_grad():
             data = slice_shard(whole.detach(), spec, tp.rank, tp.size).clone(memory_format=torch.contiguous_format)
         piece = nn.Parameter(data, requires_grad=whole.requires_grad)
-        setattr(piece, SHARD_ATTRIBUTE, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
+        place_tp_shard(piece, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
+        if whole.is_meta:  # delayed initialisation: materialised once the pipeline has pruned what this rank drops
+            remember_meta_whole(piece, whole)
         shared[id(whole)] = piece
     module._parameters[name] = piece

@@ -1,0 +1,294 @@
+"""Loading: a checkpoint written in any layout goes into this rank's part of the model and its optimizers.
+
+Owns the order of a load (verify, check the checkpoint fits this model, plan where every entry lands, read,
+copy the masters into the half-precision parameters, rebuild torch's optimizer state) and a plain single-file
+checkpoint's load. Not owned: the names (`names.py`), the chunking (`dcp_adapter.py`), the file checks
+(`verification.py`). Every check runs on every rank before anything is read, so a bad checkpoint changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_smp.checkpoint.dcp_adapter import LoadPlanner, ShardChunks, global_size, state_target, stored
+from lightning_smp.checkpoint.names import (
+    MODEL,
+    OPTIM,
+    RNG,
+    aliases,
+    masters_by_param,
+    names_of_optimized,
+    params_by_name,
+    shards_by_name,
+    unwrap,
+)
+from lightning_smp.checkpoint.rng import set_rng_states
+from lightning_smp.checkpoint.storage import all_gather_object
+from lightning_smp.checkpoint.verification import (
+    RECORD,
+    CheckpointError,
+    file_problems,
+    raise_if_any,
+    read_dcp_metadata,
+    read_meta,
+    reraised_as_checkpoint_error,
+    resolve,
+)
+from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.placement import placement_of
+
+__all__ = ["load", "load_plain"]
+
+log = logging.getLogger(__name__)
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    module: nn.Module,
+    optimizers: Sequence[Any],
+    run: dict[str, Any],
+    strict: bool = True,
+    weights_only: bool | None = None,
+    load_optimizer_states: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint written by `save` into ``module`` and ``optimizers``, whatever layout wrote it.
+
+    Collective: every rank calls it with its own part of the model. Model weights load into the fp32 masters
+    (then into the half-precision parameters), optimizer state by parameter name, the loss scaler and the random
+    generators (when the layout is unchanged). Returns the rest of Lightning's checkpoint (loops, callbacks, LR
+    schedulers, ...) for Lightning to restore. Every check runs on every rank before anything is read, and every
+    rank raises the same `CheckpointError` if any rank finds a problem.
+    """
+    path = resolve(path)
+    if path.is_file():
+        return load_plain(path, module=module, optimizers=optimizers, strict=strict, weights_only=weights_only)
+    meta = read_meta(path, weights_only)
+    record = meta.pop(RECORD)
+    metadata = read_dcp_metadata(path)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    raise_if_any(file_problems(path, record, metadata, share=(rank, world_size)), path)
+
+    optimizers = [unwrap(optimizer) for optimizer in optimizers]
+    saved_optimizers = meta.get("optimizer_states")
+    targets = _model_targets(module, optimizers)
+    problems = _model_problems(targets, metadata, strict)
+    names = all_gather_object(sorted(targets))
+    if strict:
+        problems += _unexpected_problems(metadata, {name for part in names for name in part})
+    restore_optimizers = load_optimizer_states and bool(optimizers) and saved_optimizers is not None
+    if restore_optimizers and len(saved_optimizers) != len(optimizers):
+        problems.append(
+            f"it holds the state of {len(saved_optimizers)} optimizer(s), this run has {len(optimizers)}: "
+            "`configure_optimizers` must return as many optimizers as when it was saved"
+        )
+    plans = []
+    if restore_optimizers and not problems:
+        for index, optimizer in enumerate(optimizers):
+            plan = _optimizer_plan(index, optimizer, module, metadata)
+            targets.update(plan.targets)
+            plans.append(plan)
+    same_layout = record.get("layout") == run.get("layout")
+    rng_key = f"{RNG}{rank}"
+    if same_layout and rng_key in metadata.state_dict_metadata:
+        targets[rng_key] = None
+    raise_if_any(problems, path)
+
+    with reraised_as_checkpoint_error(f"Loading the checkpoint {str(path)!r} failed"):
+        dcp.load(targets, storage_reader=FileSystemReader(path), planner=LoadPlanner(allow_partial_load=not strict))
+
+    _after_model_load(module, optimizers, targets)
+    for plan, optimizer, saved in zip(plans, optimizers, saved_optimizers or [], strict=False):
+        _load_optimizer(plan, optimizer, saved, targets)
+    if targets.get(rng_key) is not None:
+        set_rng_states(targets[rng_key], module)
+    elif not same_layout:
+        log.info(
+            "lightning_smp: the checkpoint was written with layout %s, this run is %s: its model, optimizer and "
+            "loop state are resharded; the random generators keep this run's state.",
+            record.get("layout"),
+            run.get("layout"),
+        )
+    meta["state_dict"] = {
+        name[len(MODEL) :]: value.local if isinstance(value, ShardChunks) else value
+        for name, value in targets.items()
+        if name.startswith(MODEL)
+    }
+    if saved_optimizers is None:
+        meta.pop("optimizer_states", None)
+    meta[RECORD] = record
+    return meta
+
+
+def load_plain(
+    path: str | os.PathLike, *, module: nn.Module, optimizers: Sequence[Any], strict: bool, weights_only: bool | None
+) -> dict[str, Any]:
+    """Load a single-file Lightning checkpoint (e.g. a consolidated one): model weights into the masters and the
+    parameters, optimizer states (in torch's format) when the file has them."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+    optimizers = [unwrap(optimizer) for optimizer in optimizers]
+    if "state_dict" in checkpoint:
+        masters = masters_by_param(optimizers)
+        module.load_state_dict(checkpoint["state_dict"], strict=strict)
+        own = module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, value in checkpoint["state_dict"].items():
+                param = own.get(name)
+                if isinstance(param, Tensor) and id(param) in masters:
+                    masters[id(param)].copy_(value)  # fp32 source, not the rounded half parameter
+    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states") or [], strict=False):
+        optimizer.load_state_dict(state)
+    return checkpoint
+
+
+def _model_targets(module: nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:
+    """Where each ``model/`` entry loads: the fp32 master of a parameter that has one, else the tensor itself."""
+    masters = masters_by_param(optimizers)
+    targets = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        if isinstance(value, Tensor):
+            source = masters.get(id(value), value).detach()
+            targets[f"{MODEL}{name}"] = stored(source, placement_of(value).tp_shard)
+        else:
+            targets[f"{MODEL}{name}"] = None  # extra state (`get_extra_state`): read back as an object
+    return targets
+
+
+def _model_problems(targets: dict[str, Any], metadata: Metadata, strict: bool) -> list[str]:
+    saved = metadata.state_dict_metadata
+    missing, shapes = [], []
+    for entry, target in targets.items():
+        name = entry[len(MODEL) :]
+        if entry not in saved:
+            missing.append(name)
+        elif isinstance(saved[entry], TensorStorageMetadata) and target is not None:
+            shape = tuple(global_size(target))
+            if tuple(saved[entry].size) != shape:
+                shapes.append(f"{name}: {tuple(saved[entry].size)} in the checkpoint, {shape} in this model")
+    problems = []
+    if missing and strict:
+        problems.append(
+            f"it comes from a different model: this model has {len(missing)} entries the checkpoint lacks: "
+            f"{_listing(missing)}. HINT: set `strict_loading = False` on the LightningModule to load the rest"
+        )
+    if shapes:
+        problems.append(f"it comes from a different model: {len(shapes)} shapes differ: {_listing(shapes)}")
+    return problems
+
+
+def _unexpected_problems(metadata: Metadata, held: set[str]) -> list[str]:
+    unexpected = [
+        key[len(MODEL) :] for key in metadata.state_dict_metadata if key.startswith(MODEL) and key not in held
+    ]
+    if not unexpected:
+        return []
+    return [
+        f"it comes from a different model: it has {len(unexpected)} entries this model lacks: "
+        f"{_listing(sorted(unexpected))}. HINT: set `strict_loading = False` on the LightningModule to ignore them"
+    ]
+
+
+def _listing(items: Sequence[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
+def _after_model_load(module: nn.Module, optimizers: Sequence[Any], targets: dict[str, Any]) -> None:
+    """Copy the loaded masters into the half-precision parameters; hand extra state back to its modules."""
+    with torch.no_grad():
+        for optimizer in optimizers:
+            if isinstance(optimizer, MasterWeightOptimizer):
+                pairs = [(p, m) for p, m in optimizer.param_master_pairs() if p is not m]
+                if pairs:
+                    torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+    extra = {
+        name[len(MODEL) :]: value
+        for name, value in targets.items()
+        if name.startswith(MODEL) and not isinstance(value, Tensor | ShardChunks) and value is not None
+    }
+    if extra:
+        module.load_state_dict(extra, strict=False)
+
+
+class _OptimizerPlan:
+    """Where optimizer ``index``'s saved state loads on this rank: entry → (position in the optimizer, state key)."""
+
+    def __init__(self) -> None:
+        self.targets: dict[str, Any] = {}
+        self.slots: dict[str, tuple[int, str]] = {}
+
+
+def _optimizer_plan(index: int, optimizer: Any, module: nn.Module, metadata: Metadata) -> _OptimizerPlan:
+    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
+    names = names_of_optimized(optimizer, module)
+    names_of = aliases(module)
+    params = params_by_name(module)
+    shards = shards_by_name(module)
+    saved_keys = _optimizer_keys(index, metadata)
+    plan = _OptimizerPlan()
+    optimized = [p for group in inner.param_groups for p in group["params"]]
+    for position, param in enumerate(optimized):
+        name = names.get(id(param))
+        found = next((alias for alias in names_of.get(name, [name]) if alias in saved_keys), None)
+        if found is None:
+            continue  # never stepped when saved (or a new parameter): it starts with fresh state, as in torch
+        for key in saved_keys[found]:
+            entry = f"{OPTIM}{index}/state/{found}/{key}"
+            info = metadata.state_dict_metadata[entry]
+            if isinstance(info, BytesStorageMetadata):
+                plan.targets[entry] = None
+            else:
+                plan.targets[entry] = state_target(info, params.get(name), shards.get(name))
+            plan.slots[entry] = (position, key)
+    return plan
+
+
+def _optimizer_keys(index: int, metadata: Metadata) -> dict[str, list[str]]:
+    """Saved parameter name → its state keys, for optimizer ``index``."""
+    prefix = f"{OPTIM}{index}/state/"
+    keys: dict[str, list[str]] = {}
+    for entry in metadata.state_dict_metadata:
+        if entry.startswith(prefix):
+            name, _, key = entry[len(prefix) :].rpartition("/")
+            keys.setdefault(name, []).append(key)
+    return keys
+
+
+def _load_optimizer(plan: _OptimizerPlan, optimizer: Any, saved: dict[str, Any], targets: dict[str, Any]) -> None:
+    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
+    saved_groups = saved["param_groups"]
+    if len(saved_groups) != len(inner.param_groups):
+        raise CheckpointError(
+            f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one has "
+            f"{len(inner.param_groups)}: build the optimizer with the same groups as when it was saved."
+        )
+    groups, start = [], 0
+    for saved_group, group in zip(saved_groups, inner.param_groups, strict=True):
+        groups.append({**saved_group, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    state: dict[int, dict[str, Any]] = {}
+    for entry, (position, key) in plan.slots.items():
+        value = targets[entry]
+        state.setdefault(position, {})[key] = value.local if isinstance(value, ShardChunks) else value
+    inner.load_state_dict({"state": state, "param_groups": groups})
+    if isinstance(optimizer, MasterWeightOptimizer):
+        _load_scaler(optimizer, saved)
+
+
+def _load_scaler(optimizer: MasterWeightOptimizer, saved: dict[str, Any]) -> None:
+    scaler_state = saved.get("loss_scaler")
+    if optimizer.loss_scaler is not None and scaler_state is not None:
+        optimizer.loss_scaler.load_state_dict(scaler_state)
+    elif optimizer.loss_scaler is not None:
+        log.info("lightning_smp: the checkpoint has no loss scale (not an fp16 run); starting from the initial scale.")
+    optimizer.skipped_steps.fill_(saved.get("skipped_steps", 0))
