@@ -17,6 +17,7 @@ with fp16, fp32 masters and AdamW. Under tensor parallelism the head is split by
 
     python benchmarks/memory_scale.py                             # the 166M GPT of the issue (a while on a CPU)
     python benchmarks/memory_scale.py --size smoke --out x.json   # a tiny GPT, for tests
+    python benchmarks/memory_scale.py --delayed-init              # modules built on meta, each rank keeps its part
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ class ScaleGPT(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
-def strategy_kwargs(layout: str) -> dict[str, Any]:
+def strategy_kwargs(layout: str, *, delayed_init: bool = False) -> dict[str, Any]:
     """The `SMPStrategy` settings of ``layout`` (the planner is given the same)."""
     pp, tp = LAYOUTS[layout]
     kwargs: dict[str, Any] = {"fp16": True, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp}
+    if delayed_init:
+        kwargs["delayed_parameter_initialization"] = True
     if pp > 1:
         kwargs.update(microbatches=2, pipeline_module="blocks")
     if tp > 1:
@@ -159,7 +162,7 @@ class _Measure(Callback):
             Path(self.path).write_text(json.dumps(records))
 
 
-def run_layout(layout: str, head: str, size: str, path: str) -> None:
+def run_layout(layout: str, head: str, size: str, path: str, *, delayed_init: bool) -> None:
     """One layout, in this process and the ranks Lightning launches from it; rank 0 writes the records."""
     rss_before_fit = _rss_bytes()
     torch.set_num_threads(1)
@@ -173,7 +176,9 @@ def run_layout(layout: str, head: str, size: str, path: str) -> None:
         accelerator="cpu",
         devices=pp * tp,
         # a small initial scale: the measured steps must not be skipped, or AdamW would hold no state yet
-        strategy=SMPStrategy(**strategy_kwargs(layout), dynamic_loss_args={"init_scale": 2.0**8}),
+        strategy=SMPStrategy(
+            **strategy_kwargs(layout, delayed_init=delayed_init), dynamic_loss_args={"init_scale": 2.0**8}
+        ),
         max_steps=STEPS,
         logger=False,
         enable_checkpointing=False,
@@ -200,13 +205,14 @@ def planned(layout: str, head: str, size: str) -> list[dict[str, int]]:
     return [{kind: getattr(rank, kind) for kind in STATES} for rank in report.ranks]
 
 
-def measure(size: str, layouts: list[str], heads: list[str]) -> list[dict[str, Any]]:
+def measure(size: str, layouts: list[str], heads: list[str], *, delayed_init: bool) -> list[dict[str, Any]]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for head in heads:
             for layout in layouts:
                 path = os.path.join(tmp, f"{layout}_{head}.json")
                 command = [sys.executable, __file__, "--run", layout, "--head", head, "--size", size, "--json", path]
+                command += ["--delayed-init"] if delayed_init else []
                 done = subprocess.run(
                     command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True
                 )
@@ -280,12 +286,17 @@ def main() -> None:
     parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, of {', '.join(LAYOUTS)}")
     parser.add_argument("--heads", default=",".join(HEADS), help=f"comma-separated, of {', '.join(HEADS)}")
     parser.add_argument("--out", default=None, help="write the records (JSON) here")
+    parser.add_argument(
+        "--delayed-init",
+        action="store_true",
+        help="delayed_parameter_initialization=True: build on the meta device, each rank materialises what it keeps",
+    )
     parser.add_argument("--run", choices=LAYOUTS, help="run one layout here (internal)")
     parser.add_argument("--head", choices=HEADS, default="untied", help="with --run (internal)")
     parser.add_argument("--json", help="with --run: where rank 0 writes the records (internal)")
     args = parser.parse_args()
     if args.run:
-        run_layout(args.run, args.head, args.size, args.json)
+        run_layout(args.run, args.head, args.size, args.json, delayed_init=args.delayed_init)
         return
     layouts, heads = args.layouts.split(","), args.heads.split(",")
     unknown = sorted({*layouts} - set(LAYOUTS)) + sorted({*heads} - set(HEADS))
@@ -293,7 +304,7 @@ def main() -> None:
         parser.error(
             f"unknown layout or head {', '.join(unknown)}; layouts: {', '.join(LAYOUTS)}; heads: {', '.join(HEADS)}"
         )
-    rows = measure(args.size, layouts, heads)
+    rows = measure(args.size, layouts, heads, delayed_init=args.delayed_init)
     summary = summarise(rows)
     print_table(summary, args.size)
     if args.out:
