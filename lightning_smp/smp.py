@@ -1,8 +1,10 @@
 """The smp-compatible facade: ``from lightning_smp import smp`` gives SageMaker code the names it calls.
 
-It owns nothing. Every answer comes from the `Topology`, `SMPConfig` and precision plugin of the running
-`SMPStrategy`, which activates this module in ``setup_environment`` and clears it in ``teardown``: that is the one
-module-level reference in the package. Outside a run each call raises and says where to call it instead.
+It owns nothing but the record of the current or last run (`RunRecord`): the running `SMPStrategy` hands one over
+in ``setup_environment`` (`start_run`) and ends it in ``teardown`` (`end_run`), which keeps its facts (ranks, sizes,
+config) and drops its callables, so no process group, model or optimizer outlives the run here. Ranks, sizes and
+``smp.state.cfg`` therefore answer inside a run, after it (from the last run) and before any (as one process), so
+a model built with them loads and runs without a Trainer; collectives and checkpoint helpers need a running one.
 Rank names follow smp: ``dp`` counts tensor-parallel ranks as data parallel (world / pp), ``rdp`` is the number
 of true model replicas (our data-parallel degree), ``mp`` is pp × tp.
 """
@@ -10,10 +12,12 @@ of true model replicas (our data-parallel degree), ``mp`` is pp × tp.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,6 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_smp import activation_checkpointing as _activation_checkpointing
 from lightning_smp import checkpoint as _checkpoint
+from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
 from lightning_smp.tensor_parallel import nn
@@ -29,8 +34,6 @@ from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
 from lightning_smp.topology import rank_groups
 
 if TYPE_CHECKING:
-    from lightning_smp.config import SMPConfig
-    from lightning_smp.strategy import SMPStrategy
     from lightning_smp.topology import Topology
 
 __all__ = [
@@ -44,12 +47,14 @@ __all__ = [
     "DistributedModel",
     "DistributedOptimizer",
     "RankType",
+    "RunRecord",
     "allgather",
     "barrier",
     "broadcast",
     "dp_barrier",
     "dp_rank",
     "dp_size",
+    "end_run",
     "get_dp_process_group",
     "get_mp_process_group",
     "get_pp_process_group",
@@ -81,6 +86,7 @@ __all__ = [
     "set_partition",
     "set_tensor_parallelism",
     "size",
+    "start_run",
     "state",
     "step",
     "tensor_parallelism",
@@ -89,109 +95,144 @@ __all__ = [
     "tp_size",
 ]
 
-
-@dataclass(frozen=True)
-class _Run:
-    strategy: SMPStrategy
-    topology: Topology
-    config: SMPConfig
-
-
-_active: _Run | None = None
-
 # smp's axis names → our topology's (smp's dp includes the tp ranks; its rdp is our dp)
 _AXES = {"dp": "dp_tp", "rdp": "dp", "pp": "pp", "tp": "tp", "mp": "mp", "world": "world"}
+_COUNTED = (*_AXES, "local")  # what a record gives a rank and a size for
 
 
-def _activate(strategy: SMPStrategy, topology: Topology, config: SMPConfig) -> None:
-    global _active
-    _active = _Run(strategy, topology, config)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunRecord:
+    """A run as the smp facade sees it: this rank's place in it, its config, and the few things the facade does
+    through it. The strategy builds one with `from_topology` and hands it over with `start_run`; `end_run` keeps
+    only the facts (the callables go, and with them every reference to the run's process groups)."""
+
+    config: SMPConfig
+    """The run's config, ``smp.state.cfg``."""
+    ranks: Mapping[str, int]
+    """This rank's index on each smp axis ("world", "local", "dp", "rdp", "pp", "tp", "mp")."""
+    sizes: Mapping[str, int]
+    """The number of ranks on each of those axes."""
+    group: Callable[[str], dist.ProcessGroup] | None = None
+    """The process group of an smp axis holding this rank; None once the run has ended."""
+    wrap_optimizer: Callable[..., Optimizer] | None = None
+    """The precision plugin's master-weight wrapper (``optimizer, **scaler_settings``); None in fp32."""
+    save_checkpoint: Callable[[Path, Any], None] | None = None
+    """Writes the run's whole training state and a user's content to a path (every rank its own part)."""
+    load_checkpoint: Callable[[Path, bool, bool], Mapping[str, Any] | None] | None = None
+    """Loads a path into the running model and optimizers (``path, strict, load_optimizer_states``) and returns
+    the checkpoint's content; None while the optimizers do not exist yet."""
+
+    @classmethod
+    def from_topology(
+        cls,
+        topology: Topology,
+        *,
+        config: SMPConfig,
+        local_rank: int,
+        local_size: int,
+        wrap_optimizer: Callable[..., Optimizer] | None,
+        save_checkpoint: Callable[[Path, Any], None],
+        load_checkpoint: Callable[[Path, bool, bool], Mapping[str, Any] | None],
+    ) -> RunRecord:
+        """The record of a running job laid out as ``topology`` (smp's axis names mapped onto ours)."""
+        ranks = {axis: topology.rank(ours) for axis, ours in _AXES.items()}
+        sizes = {axis: topology.size(ours) for axis, ours in _AXES.items()}
+        return cls(
+            config=config,
+            ranks=MappingProxyType({**ranks, "local": local_rank}),
+            sizes=MappingProxyType({**sizes, "local": local_size}),
+            group=lambda axis: topology.group(_AXES[axis]),
+            wrap_optimizer=wrap_optimizer,
+            save_checkpoint=save_checkpoint,
+            load_checkpoint=load_checkpoint,
+        )
+
+    @property
+    def running(self) -> bool:
+        return self.group is not None
 
 
-def _deactivate() -> None:
-    global _active
-    _active = None
+_ONE_PROCESS = RunRecord(
+    config=SMPConfig(),
+    ranks=MappingProxyType(dict.fromkeys(_COUNTED, 0)),
+    sizes=MappingProxyType(dict.fromkeys(_COUNTED, 1)),
+)
+_record = _ONE_PROCESS
+
+
+def start_run(record: RunRecord) -> None:
+    """Make ``record`` the run the facade answers for (the strategy calls it in ``setup_environment``)."""
+    global _record
+    _record = record
+
+
+def end_run() -> None:
+    """The run has ended (the strategy calls it in ``teardown``): keep its ranks, sizes and config, which the
+    facade answers from until the next run starts, and drop everything that reaches its groups, model and
+    optimizers."""
+    global _record
+    _record = RunRecord(config=_record.config, ranks=_record.ranks, sizes=_record.sizes)
 
 
 @contextmanager
 def preview(config: SMPConfig, *, world_size: int) -> Generator[None, None, None]:
-    """Answer as rank 0 of a job of ``config`` over ``world_size`` processes, with no run started: every size and
-    rank, and ``smp.state.cfg``; groups, collectives, optimizers and checkpoints raise. The memory planner's
-    command (``lightning-smp estimate``) builds a LightningModule's ``configure_model`` under it, so that code
-    such as ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` builds the model of the planned layout."""
-    global _active
-    if _active is not None:
+    """Answer as rank 0 of a job of ``config`` over ``world_size`` processes (one node) without starting one: every
+    rank and size, and ``smp.state.cfg``; collectives and checkpoint helpers raise as outside a run. The memory
+    planner's command (``lightning-smp estimate``) builds a LightningModule's ``configure_model`` under it, so that
+    ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` builds the model of the planned layout."""
+    global _record
+    if _record.running:
         raise RuntimeError("smp.preview() inside a running SMPStrategy: the run already answers; remove the preview.")
     dp = config.data_parallel_degree(world_size)
-    groups = rank_groups(
+    layout = rank_groups(
         config.placement_order, dp=dp, pp=config.pipeline_parallel_degree, tp=config.tensor_parallel_degree
     )
-    _active = _Run(_NoStrategy(), _PreviewLayout(groups), config)  # type: ignore[arg-type]
+    groups = {axis: next(group for group in layout[ours] if 0 in group) for axis, ours in _AXES.items()}
+    previous = _record
+    _record = RunRecord(
+        config=config,
+        ranks=MappingProxyType({**{axis: group.index(0) for axis, group in groups.items()}, "local": 0}),
+        sizes=MappingProxyType({**{axis: len(group) for axis, group in groups.items()}, "local": world_size}),
+    )
     try:
         yield
     finally:
-        _active = None
+        _record = previous
 
 
-class _PreviewLayout:
-    """What `preview` answers for the topology: rank 0's groups from the pure layout, no process group."""
-
-    global_rank = 0
-
-    def __init__(self, groups: dict[str, list[list[int]]]) -> None:
-        self._groups = {axis: next(g for g in axis_groups if 0 in g) for axis, axis_groups in groups.items()}
-
-    @property
-    def world_size(self) -> int:
-        return len(self._groups["world"])
-
-    def size(self, axis: str) -> int:
-        return len(self._groups[axis])
-
-    def rank(self, axis: str) -> int:
-        return self._groups[axis].index(0)
-
-    def ranks(self, axis: str) -> list[int]:
-        return list(self._groups[axis])
-
-    def group(self, axis: str) -> dist.ProcessGroup:
-        raise RuntimeError(_PREVIEW_ONLY)
-
-
-class _NoStrategy:
-    def __getattr__(self, name: str) -> Any:
-        raise RuntimeError(_PREVIEW_ONLY)
-
-
-_PREVIEW_ONLY = (
-    "inside smp.preview() (a planned layout, as `lightning-smp estimate` builds the model) only sizes, ranks and "
-    "smp.state.cfg answer; process groups, collectives, optimizers and checkpoints need a running SMPStrategy."
-)
-
-
-def _run(caller: str) -> _Run:
-    if _active is None:
+def _running(caller: str, instead: str) -> RunRecord:
+    """The running run's record; outside a run an error naming ``caller`` and, in ``instead``, what to do."""
+    if not _record.running:
         raise RuntimeError(
-            f"smp.{caller}() needs a running SMPStrategy. Call it inside the LightningModule's hooks "
-            "(configure_model, configure_optimizers, training_step, ...) once Trainer.fit/validate/test/predict "
-            "has started, not at import time or in __init__ (build layers in `configure_model`)."
+            f"smp.{caller}() needs a running SMPStrategy: it works on the run's process groups, model or optimizers, "
+            "which it reaches only while Trainer.fit/validate/test/predict runs. Call it inside the LightningModule's "
+            f"hooks (configure_model, configure_optimizers, training_step, ...); {instead}. Ranks, sizes and "
+            "smp.state.cfg answer outside a run too (from the last run, or as one process before any)."
         )
-    return _active
+    return _record
+
+
+_COLLECTIVES_AFTER_A_RUN = (
+    "after fit returns, the Trainer's strategy still reaches the ranks (trainer.strategy.barrier(), "
+    "trainer.strategy.broadcast(obj))"
+)
 
 
 # -- configuration -------------------------------------------------------------------------------------------
 
 
 class _State:
-    """smp's ``smp.state``: ``smp.state.cfg`` is the running config (``.fp16``, ``.microbatches``, ...)."""
+    """smp's ``smp.state``: ``smp.state.cfg`` is the run's config (``.fp16``, ``.microbatches``, ...): the running
+    one's, else the last one's, else the default `SMPConfig`."""
 
     @property
     def cfg(self) -> SMPConfig:
-        return _run("state.cfg").config
+        return _record.config
 
     @property
     def initialized(self) -> bool:
-        return _active is not None
+        """Whether a run is under way (the collectives and checkpoint helpers work)."""
+        return _record.running
 
 
 state = _State()
@@ -227,34 +268,39 @@ def step(function: Any = None, **kwargs: Any) -> Any:
 # -- ranks and groups ----------------------------------------------------------------------------------------
 
 
+# Ranks and sizes answer from the run's record, running or last (one process before any run).
+
+
 def rank() -> int:
-    return _run("rank").topology.global_rank
+    return _record.ranks["world"]
 
 
 def size() -> int:
-    return _run("size").topology.world_size
+    return _record.sizes["world"]
 
 
 def local_rank() -> int:
-    return _run("local_rank").strategy.local_rank
+    return _record.ranks["local"]
 
 
 def local_size() -> int:
-    return _run("local_size").strategy.num_processes
+    return _record.sizes["local"]
 
 
 def _axis_rank(smp_axis: str) -> int:
-    return _run(f"{smp_axis}_rank").topology.rank(_AXES[smp_axis])
+    return _record.ranks[smp_axis]
 
 
 def _axis_size(smp_axis: str) -> int:
-    return _run(f"{smp_axis}_size").topology.size(_AXES[smp_axis])
+    return _record.sizes[smp_axis]
 
 
 def _axis_group(smp_axis: str, caller: str | None = None) -> dist.ProcessGroup:
     """The process group of ``smp_axis`` holding this rank; ``caller`` names the facade call in the error raised
     outside a run (default: the group getter)."""
-    return _run(caller or f"get_{smp_axis}_process_group").topology.group(_AXES[smp_axis])
+    group = _running(caller or f"get_{smp_axis}_process_group", _COLLECTIVES_AFTER_A_RUN).group
+    assert group is not None  # a running record has its callables
+    return group(smp_axis)
 
 
 def _axis_barrier(smp_axis: str) -> None:
@@ -507,11 +553,10 @@ def DistributedOptimizer(
     otherwise build (``optimizer.optimizer`` is the inner one; Lightning does not wrap it again); in fp32 it
     returns ``optimizer`` unchanged.
     """
-    run = _run("DistributedOptimizer")
-    precision = run.strategy.precision_plugin
-    if getattr(precision, "dtype", None) is None:
+    run = _running("DistributedOptimizer", "build optimizers in configure_optimizers")
+    if run.wrap_optimizer is None:  # fp32
         return optimizer
-    return precision.wrap_optimizer(
+    return run.wrap_optimizer(
         optimizer,
         dynamic_loss_scale=dynamic_loss_scale,
         static_loss_scale=1.0 if static_loss_scale is None else static_loss_scale,
@@ -539,13 +584,12 @@ def save_checkpoint(
     under any layout, which smp's partial checkpoints could not; ``partial=False`` writes the same (use
     ``lightning_smp.consolidate_checkpoint`` for one file). ``model`` and ``optimizer`` are the strategy's.
     """
-    strategy = _run("save_checkpoint").strategy
-    content = strategy.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-    content["user_content"] = user_content
-    strategy.save_checkpoint(content, _checkpoint.tagged_path(path, tag))
-    if strategy.is_global_zero:
+    run = _running("save_checkpoint", "after fit returns, `trainer.save_checkpoint(path)` writes the same checkpoint")
+    assert run.save_checkpoint is not None and run.group is not None  # a running record has its callables
+    run.save_checkpoint(_checkpoint.tagged_path(path, tag), user_content)
+    if run.ranks["world"] == 0:
         _checkpoint.record_newest(path, tag, keep=num_kept_partial_checkpoints)
-    strategy.barrier("smp.save_checkpoint")
+    dist.barrier(group=run.group("world"))
 
 
 def resume_from_checkpoint(
@@ -562,21 +606,12 @@ def resume_from_checkpoint(
     ``trainer.fit(model, ckpt_path=...)`` on the same directory, which is the way to resume a whole run.
     """
     target = _checkpoint.tagged_path(path, tag)
-    if _active is None or not _active.strategy.optimizers:
+    load = _record.load_checkpoint
+    loaded = load(target, strict, load_optimizer) if load is not None else None
+    if loaded is None:
         raise RuntimeError(
             "smp.resume_from_checkpoint() loads into the running model and optimizers: call it inside the "
             "LightningModule's `on_fit_start` (or later), or resume the whole run (loops and schedulers too) with "
             f"`trainer.fit(model, ckpt_path={str(target)!r})`."
         )
-    run = _active
-    loaded = _checkpoint.load(
-        target,
-        module=run.strategy.lightning_module,
-        optimizers=run.strategy.optimizers,
-        run=_checkpoint.describe_run(
-            topology=run.topology, config=run.config, precision=str(run.strategy.precision_plugin.precision)
-        ),
-        strict=strict,
-        load_optimizer_states=load_optimizer,
-    )
     return loaded.get("user_content")

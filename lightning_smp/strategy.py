@@ -1,8 +1,8 @@
 """SMPStrategy: the Lightning strategy that runs an smp-configured job, and its registered names.
 
 It owns the run's lifecycle and hands each concern to its module: constructor arguments become one `SMPConfig`;
-once the process group exists it builds the `Topology`, activates the `smp` facade, splits the model over the
-tensor-parallel ranks (`tensor_parallel`), wraps the modules marked for activation checkpointing
+once the process group exists it builds the `Topology`, hands the `smp` facade its run record, splits the model
+over the tensor-parallel ranks (`tensor_parallel`), wraps the modules marked for activation checkpointing
 (`activation_checkpointing`) and keeps this rank's pipeline stage (`pipeline`), whose engine then runs every step
 and settles the stages at the end of each loop; it owns the precision plugin (Lightning would otherwise replace
 it, see reference/lightning-2.6.md), samples data by data-parallel rank, reduces logged values over the replicas,
@@ -19,6 +19,7 @@ import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -220,7 +221,17 @@ class SMPStrategy(DDPStrategy):
         plugin = self.precision_plugin
         if isinstance(plugin, SMPPrecision):
             plugin.topology = self._topology
-        smp_facade._activate(self, self._topology, config)
+        smp_facade.start_run(
+            smp_facade.RunRecord.from_topology(
+                self._topology,
+                config=config,
+                local_rank=self.local_rank,
+                local_size=self.num_processes,
+                wrap_optimizer=plugin.wrap_optimizer if getattr(plugin, "dtype", None) is not None else None,
+                save_checkpoint=self._save_for_smp,
+                load_checkpoint=self._load_for_smp,
+            )
+        )
         self.failed = False
         fault_tolerance.close_process_groups_at_exit(self)
 
@@ -478,6 +489,26 @@ class SMPStrategy(DDPStrategy):
         if self.is_global_zero:
             checkpointing.remove(filepath)
 
+    def _save_for_smp(self, path: Path, user_content: Any) -> None:
+        """``smp.save_checkpoint``: the whole training state, as `Trainer.save_checkpoint` writes it, plus
+        ``user_content``."""
+        content = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        content["user_content"] = user_content
+        self.save_checkpoint(content, path)
+
+    def _load_for_smp(self, path: Path, strict: bool, load_optimizer_states: bool) -> dict[str, Any] | None:
+        """``smp.resume_from_checkpoint``: load ``path`` into the model and optimizers; None before they exist."""
+        if not self.optimizers:
+            return None
+        return checkpointing.load(
+            path,
+            module=self.lightning_module,
+            optimizers=self.optimizers,
+            run=self._checkpoint_run(),
+            strict=strict,
+            load_optimizer_states=load_optimizer_states,
+        )
+
     def _checkpoint_run(self) -> dict[str, Any]:
         return checkpointing.describe_run(
             topology=self.topology, config=self._config, precision=str(self.precision_plugin.precision)
@@ -503,7 +534,7 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
-        smp_facade._deactivate()
+        smp_facade.end_run()
         super().teardown()
 
     def forget_process_groups(self) -> None:

@@ -10,11 +10,9 @@ import os
 import shutil
 from pathlib import Path
 
-import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
@@ -26,7 +24,9 @@ from lightning_smp.checkpoint import CheckpointError, loading, storage
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
 from lightning_smp.placement import TPShard, place_tp_shard
 from tests.distributed import run_distributed
+from tests.gpt import TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
+from tests.parity import FP16_REL, mean_losses, one_process
 
 STEPS_PER_EPOCH = 4  # 64 samples, 2 ranks x 8 (or 1 rank x 16) per step
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**12, "scale_window": 3}}
@@ -112,7 +112,6 @@ def _fail_a_save(rank, trainer, directory):
 
 # -- a small GPT under pipeline and tensor parallelism ---------------------------------------------------------
 
-VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
 GPT_FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**10, "scale_window": 3}}
 GPT_LAYOUTS = {
     "pp2_tp2": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
@@ -122,47 +121,19 @@ GPT_LAYOUTS = {
 }
 
 
-class _GPT(pl.LightningModule):
-    """Embeddings, a ModuleList trunk of torch transformer layers (packed q/k/v: split in three blocks under
-    tensor parallelism), a head tied to the token embedding; built in `configure_model` like smp models."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks: nn.ModuleList | None = None
-
-    def configure_model(self) -> None:
-        if self.blocks is not None:
-            return
-        torch.manual_seed(0)
-        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-            self.tok = nn.Embedding(VOCAB, WIDTH)
-            self.pos = nn.Embedding(SEQ, WIDTH)
-            self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
-                for _ in range(2)
-            )
-            self.norm = nn.LayerNorm(WIDTH)
-            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.tok.weight
-
-    def forward(self, ids):
-        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # (B, T, W)
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=h.dtype)
-        for block in self.blocks:
-            h = block(h, src_mask=mask, is_causal=True)
-        return self.head(self.norm(h))  # (B, T, V)
+class _GPT(TinyGPT):
+    """The tiny GPT (packed q/k/v split in three blocks under tensor parallelism, a tied head) with AdamW and a
+    per-step StepLR."""
 
     def training_step(self, batch, batch_idx):
-        ids, target = batch
-        return F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())
+        return self.loss(batch)
 
     def configure_optimizers(self):
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
 
     def train_dataloader(self):
-        tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(1))
-        return DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=8)
+        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8)
 
 
 class _StepLosses(Callback):
@@ -366,12 +337,7 @@ def dp2(root, pp2_tp2):
 
 @pytest.fixture(scope="module")
 def dp1(root, dp2):
-    (result,) = run_distributed(_dp1_job, 1, str(root), timeout=150)
-    return result
-
-
-def _mean_losses(ranks, name, part):
-    return [(a + b) / 2 for a, b in zip(ranks[0][name][part]["losses"], ranks[1][name][part]["losses"], strict=True)]
+    return one_process(_dp1_job, str(root), timeout=150)
 
 
 @pytest.mark.timeout(300)
@@ -398,15 +364,15 @@ def test_pp2_tp2_resumes_under_tp2_pp2_and_one_device_within_fp16_tolerance(pp2_
     resumed = {**dp2[0]["gpt"], **dp1["gpt"]}
     assert set(resumed) == {"tp2", "pp2", "one_device"}
     for layout, losses in resumed.items():
-        assert losses == pytest.approx(expected, rel=2e-2), layout
+        assert losses == pytest.approx(expected, rel=FP16_REL), layout
 
 
 @pytest.mark.timeout(300)
 def test_resume_from_dp2_on_one_device_continues_within_fp16_tolerance(dp2, dp1):
-    expected = _mean_losses(dp2, "fp16", "full")[STEPS_PER_EPOCH:]
-    assert dp1["dp1_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+    expected = mean_losses([rank["fp16"]["full"] for rank in dp2])[STEPS_PER_EPOCH:]
+    assert dp1["dp1_fp16"]["losses"] == pytest.approx(expected, rel=FP16_REL)
     # and with another precision: the fp32 and bf16 runs continue from the fp16 run's masters
-    assert dp1["dp1_fp32_from_fp16"]["losses"] == pytest.approx(expected, rel=2e-2)
+    assert dp1["dp1_fp32_from_fp16"]["losses"] == pytest.approx(expected, rel=FP16_REL)
     assert dp1["dp1_bf16_from_fp16"]["losses"] == pytest.approx(expected, rel=5e-2)  # bf16 keeps 8 mantissa bits
 
 

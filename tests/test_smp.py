@@ -1,3 +1,5 @@
+import re
+
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -5,7 +7,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from lightning_smp import SMPConfig, SMPStrategy, smp
+from lightning_smp import SMPStrategy, smp
+from lightning_smp.config import SMPConfig
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, mlp, quiet_trainer, random_dataset
 
@@ -50,15 +53,45 @@ class _FacadeProbe(TinyRegressor):
 # ---------------------------------------------------------------- outside a run
 
 
+def _facts() -> dict:
+    """What the facade answers outside a run: ranks, sizes and the config."""
+    return {
+        **{name: getattr(smp, name)() for name in _RANK_HELPERS},
+        "cfg": smp.state.cfg,
+        "initialized": smp.state.initialized,
+    }
+
+
+def _before_any_run(rank: int) -> dict:
+    return _facts()  # a fresh process: no run has started in it
+
+
+def test_facade_before_any_run_answers_as_one_process():
+    (facts,) = run_distributed(_before_any_run, 1, timeout=60)
+    assert facts.pop("cfg") == SMPConfig()
+    assert facts.pop("initialized") is False
+    assert facts == {name: (1 if name.endswith("size") else 0) for name in _RANK_HELPERS}
+
+
 @pytest.mark.parametrize(
-    "call",
-    [smp.tp_size, smp.rank, smp.dp_rank, smp.get_dp_process_group, smp.barrier, lambda: smp.state.cfg],
-    ids=["tp_size", "rank", "dp_rank", "get_dp_process_group", "barrier", "state.cfg"],
+    ("call", "hint"),
+    [
+        (smp.barrier, r"trainer\.strategy\.barrier\(\)"),
+        (smp.tp_barrier, r"trainer\.strategy\.barrier\(\)"),
+        (smp.get_dp_process_group, r"trainer\.strategy\.barrier\(\)"),
+        (lambda: smp.allgather(1, smp.WORLD), r"trainer\.strategy\.broadcast\(obj\)"),
+        (lambda: smp.broadcast(1, smp.PP_GROUP), r"trainer\.strategy\.broadcast\(obj\)"),
+        (lambda: smp.send(1, 0, smp.RankType.PP_RANK), r"trainer\.strategy"),
+        (lambda: smp.recv_from(0, smp.RankType.PP_RANK), r"trainer\.strategy"),
+        (lambda: smp.save_checkpoint("checkpoints", tag="a"), r"trainer\.save_checkpoint\(path\)"),
+    ],
+    ids=["barrier", "tp_barrier", "get_dp_process_group", "allgather", "broadcast", "send", "recv_from", "save"],
 )
-def test_facade_outside_a_run_says_where_to_call_it(call):
+def test_collectives_and_checkpoint_helpers_outside_a_run_say_where_to_call_them(call, hint):
     assert not smp.state.initialized
-    with pytest.raises(RuntimeError, match=r"inside the LightningModule's hooks \(configure_model"):
+    with pytest.raises(RuntimeError, match=r"needs a running SMPStrategy.*inside the LightningModule's hooks") as error:
         call()
+    assert re.search(hint, str(error.value))
 
 
 def test_distributed_optimizer_outside_a_run_raises():
@@ -90,7 +123,8 @@ def test_distributed_model_and_step_say_what_replaces_them():
 )
 def test_facade_inside_a_one_process_run(strategy, fp16, bf16):
     model = _FacadeProbe()
-    _trainer(strategy, max_steps=1).fit(model)
+    trainer = _trainer(strategy, max_steps=1)
+    trainer.fit(model)
 
     expected_ranks = {name: (1 if name.endswith("size") else 0) for name in _RANK_HELPERS}
     for answers in (model.in_configure_model, model.in_training_step):
@@ -100,10 +134,12 @@ def test_facade_inside_a_one_process_run(strategy, fp16, bf16):
         assert (answers["fp16"], answers["bf16"]) == (fp16, bf16)
         assert answers["initialized"]
 
-    # teardown deactivated the facade again
+    # after fit: the last run's facts, no collectives
     assert not smp.state.initialized
+    assert smp.state.cfg is trainer.strategy.config
+    assert {name: getattr(smp, name)() for name in _RANK_HELPERS} == expected_ranks
     with pytest.raises(RuntimeError, match="needs a running SMPStrategy"):
-        smp.tp_size()
+        smp.barrier()
 
 
 class _ObjectsProbe(TinyRegressor):
@@ -152,12 +188,14 @@ class _Failing(TinyRegressor):
         raise ValueError("boom")
 
 
-def test_facade_is_deactivated_when_fit_raises():
+def test_facade_ends_the_run_when_fit_raises():
+    trainer = _trainer(max_steps=1)
     with pytest.raises(ValueError, match="boom"):
-        _trainer(max_steps=1).fit(_Failing())
+        trainer.fit(_Failing())
     assert not smp.state.initialized
+    assert smp.state.cfg is trainer.strategy.config
     with pytest.raises(RuntimeError, match="needs a running SMPStrategy"):
-        smp.state.cfg  # noqa: B018
+        smp.get_world_process_group()
 
 
 # ---------------------------------------------------------------- the seed's code, one import changed
@@ -260,9 +298,12 @@ def test_seed_snippet_trains(strategy, param_dtype):
 
 def _two_rank_facade(rank: int) -> dict:
     model = _FacadeProbe()
-    _trainer("smp", devices=2, max_steps=2).fit(model)
+    trainer = _trainer(SMPStrategy(microbatches=2), devices=2, max_steps=2)
+    trainer.fit(model)
     answers = model.in_training_step
-    answers["initialized_after_fit"] = smp.state.initialized
+    answers["after_fit"] = _facts()
+    trainer.validate(model, verbose=False)
+    answers["after_validate"] = _facts()
     return answers
 
 
@@ -324,7 +365,12 @@ def test_facade_in_a_two_process_run():
             "get_world_process_group": 2,
         }
         assert not answers["fp16"]
-        assert not answers["initialized_after_fit"]
+        # after fit and validate return: the last run's ranks, sizes and config
+        for when in ("after_fit", "after_validate"):
+            facts = answers[when]
+            assert {name: facts[name] for name in _RANK_HELPERS} == {name: answers[name] for name in _RANK_HELPERS}
+            assert facts["cfg"].microbatches == 2
+            assert facts["initialized"] is False
 
 
 # ---------------------------------------------------------------- a planned layout (the memory planner)
@@ -332,14 +378,14 @@ def test_facade_in_a_two_process_run():
 
 def test_preview_answers_a_planned_layout_and_refuses_process_groups():
     config = SMPConfig(pipeline_parallel_degree=2, tensor_parallel_degree=2, fp16=True)
+    before = (smp.tp_size(), smp.pp_size(), smp.state.cfg)
     with smp.preview(config, world_size=8):
         assert (smp.tp_size(), smp.pp_size(), smp.rdp_size(), smp.dp_size(), smp.size()) == (2, 2, 2, 4, 8)
         assert (smp.rank(), smp.tp_rank(), smp.pp_rank()) == (0, 0, 0)
         assert smp.state.cfg.fp16
-        with pytest.raises(RuntimeError, match=r"inside smp.preview\(\).*need a running SMPStrategy"):
+        assert not smp.state.initialized
+        with pytest.raises(RuntimeError, match=r"smp.get_tp_process_group\(\) needs a running SMPStrategy"):
             smp.get_tp_process_group()
-        with pytest.raises(RuntimeError, match=r"inside smp.preview\(\)"):
-            smp.local_rank()
-    assert not smp.state.initialized
+    assert (smp.tp_size(), smp.pp_size(), smp.state.cfg) == before  # the facade answers as before the preview
     with pytest.raises(ValueError, match="does not divide the world size 6"), smp.preview(config, world_size=6):
         pass

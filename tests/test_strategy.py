@@ -14,6 +14,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_smp import SMPStrategy
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, quiet_trainer
+from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process
 
 STEPS = 12
 PER_RANK_BATCH = 8
@@ -113,8 +114,7 @@ def _fit(rank, strategy_kwargs, batch_size, inject_rank=None):
 
 
 def _reference(strategy_kwargs):
-    (single,) = run_distributed(_fit, 1, strategy_kwargs, 2 * PER_RANK_BATCH, timeout=100)
-    return single
+    return one_process(_fit, strategy_kwargs, 2 * PER_RANK_BATCH, timeout=100)
 
 
 def _data_parallel(strategy_kwargs, inject_rank=None):
@@ -126,9 +126,9 @@ def test_dp2_fp32_matches_one_process_on_the_global_batch():
     single = _reference({})
     ranks = _data_parallel({})
     assert [r["sampler"] for r in ranks] == [{"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}]
-    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
-    assert len(mean_losses) == STEPS >= 10
-    assert mean_losses == pytest.approx(single["losses"], rel=1e-5)
+    losses = mean_losses(ranks)
+    assert len(losses) == STEPS >= 10
+    assert losses == pytest.approx(single["losses"], rel=FP32_REL)
     for step in range(STEPS):
         torch.testing.assert_close(ranks[0]["weights"][step], single["weights"][step], rtol=1e-5, atol=1e-6)
         assert torch.equal(ranks[0]["weights"][step], ranks[1]["weights"][step])  # replicas stay identical
@@ -140,10 +140,9 @@ def test_dp2_fp16_matches_one_process_with_the_same_skipped_steps():
     fp16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**20}}
     single = _reference(fp16)
     ranks = _data_parallel(fp16)
-    assert single["skipped"] == ranks[0]["skipped"] == ranks[1]["skipped"]
-    assert single["scale"] == ranks[0]["scale"] == ranks[1]["scale"]
-    mean_losses = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"], strict=True)]
-    assert mean_losses == pytest.approx(single["losses"], rel=2e-2)
+    for rank in ranks:
+        assert_same_overflow(rank, single)
+    assert mean_losses(ranks) == pytest.approx(single["losses"], rel=FP16_REL)
 
 
 @pytest.mark.timeout(240)

@@ -27,6 +27,7 @@ from lightning_smp import SMPStrategy, smp
 from lightning_smp.tensor_parallel import gather_shards, shard_of
 from tests.distributed import init_gloo, run_distributed
 from tests.models import quiet_trainer
+from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses
 
 STEPS = 10
 GLOBAL_BATCH = 8
@@ -244,11 +245,11 @@ def launch(world: int) -> list[dict]:
     return outcome
 
 
-def _assert_matches(runs: list[dict], reference: dict, *, rel: float = 1e-5) -> None:
+def _assert_matches(runs: list[dict], reference: dict, *, rel: float = FP32_REL) -> None:
     """Per-step losses (averaged over the data-parallel replicas), initial weights and every gathered gradient."""
-    mean_losses = [sum(step) / len(step) for step in zip(*(run["losses"] for run in runs), strict=True)]
-    assert len(mean_losses) == STEPS >= 10
-    assert mean_losses == pytest.approx(reference["losses"], rel=rel)
+    losses = mean_losses(runs, steps=STEPS)
+    assert len(losses) == STEPS >= 10
+    assert losses == pytest.approx(reference["losses"], rel=rel)
     if reference["val_loss"] is not None:  # trainer.validate after fit: eval mode, no grad, a second setup
         assert all(run["val_loss"] == pytest.approx(reference["val_loss"], rel=rel) for run in runs)
     first = runs[0]
@@ -256,10 +257,7 @@ def _assert_matches(runs: list[dict], reference: dict, *, rel: float = 1e-5) -> 
     for name, value in reference["initial"].items():
         assert torch.equal(first["initial"][name], value), f"initial {name} differs from the single-device model"
     for step, (grads, expected) in enumerate(zip(first["grads"], reference["grads"], strict=True)):
-        for name, value in expected.items():
-            torch.testing.assert_close(
-                grads[name], value, rtol=1e-4, atol=1e-6, msg=lambda m, n=name, s=step: f"step {s} {n}: {m}"
-            )
+        assert_tensors_close(grads, expected, rtol=1e-4, atol=1e-6, label=f"step {step}")
 
 
 # Each test may be the first to need a launch (~10-30 s on two shared cores): the timeouts cover one.
@@ -291,11 +289,9 @@ def test_gpt_tp2_fp16_matches_one_process_with_the_same_skipped_steps():
     runs = [rank["gpt_fp16_tp2_dp1"] for rank in launch(2)]
     assert reference["skipped"] >= 1  # the comparison covers the overflow path
     for run in runs:
-        assert run["skipped"] == reference["skipped"]
-        assert run["scale"] == reference["scale"]
-        assert run["losses"] == pytest.approx(reference["losses"], rel=2e-2)
+        assert_fp16_matches(run, reference)
         # the global gradient norm counts every value once: sharded pieces on every rank, replicated ones on one
-        assert run["norms"] == pytest.approx(reference["norms"], rel=2e-2)
+        assert run["norms"] == pytest.approx(reference["norms"], rel=FP16_REL)
     assert all(torch.equal(runs[0]["initial"][name], value) for name, value in reference["initial"].items())
 
 

@@ -29,7 +29,7 @@ weights of an fp16/bf16 run), ``optim/<i>/state/<name>/<key>`` (optimizer ``i``'
 ``rng/<rank>`` (each rank's random generators).
 """
 
-from lightning_smp.checkpoint.consolidation import consolidate_checkpoint
+from lightning_smp.checkpoint.consolidation import consolidate_checkpoint, consolidated_state_dict
 from lightning_smp.checkpoint.loading import load
 from lightning_smp.checkpoint.names import model_state_dict, optimizer_state_dict
 from lightning_smp.checkpoint.saving import save
@@ -49,6 +49,7 @@ __all__ = [
     "META_FILENAME",
     "CheckpointError",
     "consolidate_checkpoint",
+    "consolidated_state_dict",
     "describe_run",
     "is_sharded_checkpoint",
     "load",

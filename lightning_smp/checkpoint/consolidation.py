@@ -1,8 +1,9 @@
 """Consolidation: a sharded checkpoint becomes one plain file that loads into the un-parallelized model.
 
-Owns reading every ``model/`` entry whole, in one process and without a process group, and writing the Lightning
-checkpoint file. Not owned: the command line (`lightning_smp/consolidate_checkpoint.py`). DCP assembles each
-global tensor from whichever ranks' chunks hold it, so consolidating is a load into whole-tensor targets.
+Owns reading every ``model/`` entry whole, in one process and without a process group, writing the Lightning
+checkpoint file, and reading its ``state_dict`` back for a model wrapped in the LightningModule. Not owned: the
+command line (`lightning_smp/consolidate_checkpoint.py`). DCP assembles each global tensor from whichever ranks'
+chunks hold it, so consolidating is a load into whole-tensor targets.
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from lightning_smp.checkpoint.verification import (
     RECORD,
     CheckpointError,
     file_problems,
+    is_sharded_checkpoint,
     read_dcp_metadata,
     read_meta,
     resolve,
 )
 
-__all__ = ["consolidate_checkpoint"]
+__all__ = ["consolidate_checkpoint", "consolidated_state_dict"]
 
 
 def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None = None) -> Path:
@@ -39,7 +41,8 @@ def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None
     Its ``state_dict`` holds the whole model under global names in fp32 (the master weights of an fp16/bf16 run;
     tied weights under each of their names), so ``load_state_dict(strict=True)`` takes it into the
     un-parallelized LightningModule; the loop, callback and hyper-parameter entries are kept as Lightning wrote
-    them. No process group is needed.
+    them. No process group is needed. Load it for inference with ``MyModule.load_from_checkpoint(dst)`` (Lightning
+    calls ``configure_model`` first), or take a wrapped model's weights with `consolidated_state_dict`.
     """
     src = resolve(src)
     dst = Path(dst) if dst is not None else src.with_name(src.name + ".consolidated")
@@ -74,3 +77,33 @@ def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None
         remove_path(temporary)
     fsync_dir(dst.parent)
     return dst
+
+
+def consolidated_state_dict(path: str | os.PathLike, submodule: str | None = None) -> dict[str, Any]:
+    """The ``state_dict`` of the consolidated file ``path`` (written by `consolidate_checkpoint`); with
+    ``submodule``, the attribute path of a model the LightningModule wraps (e.g. "model" for ``self.model``), only
+    that model's entries, without the prefix, so they load into it directly::
+
+        llama = LlamaForCausalLM(config)
+        llama.load_state_dict(consolidated_state_dict("last.ckpt.consolidated", "model"), strict=True)
+
+    The file is read with ``torch.load(weights_only=True)``: tensors and plain containers.
+    """
+    path = Path(path)
+    if is_sharded_checkpoint(path):
+        raise CheckpointError(
+            f"{str(path)!r} is a sharded checkpoint (a directory); consolidate it first: "
+            f"`lightning_smp.consolidate_checkpoint({str(path)!r})` writes {str(path)!r} + '.consolidated'."
+        )
+    state_dict = torch.load(path, map_location="cpu", weights_only=True)["state_dict"]
+    if submodule is None:
+        return state_dict
+    prefix = submodule.rstrip(".") + "."
+    inner = {key[len(prefix) :]: value for key, value in state_dict.items() if key.startswith(prefix)}
+    if not inner:
+        names = sorted({key.split(".", 1)[0] for key in state_dict})
+        raise CheckpointError(
+            f"{str(path)!r} has no entries under {prefix!r}; pass the attribute path of the wrapped model, one of "
+            f"the LightningModule's top-level names: {', '.join(names)}."
+        )
+    return inner

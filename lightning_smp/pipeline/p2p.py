@@ -54,7 +54,7 @@ class _Slot:
 
 _SLOT = _Slot()
 _SAME, _CHANGED = 0, 1
-_Layout = tuple  # ("nothing",) | ("tensor", dtype, shape, requires_grad) | ("tree", spec bytes, tensor metas)
+_Layout = tuple  # ("nothing",) | ("tensor", dtype, shape, requires_grad) | ("tree", skeleton bytes, tensor metas)
 _Link = tuple[int, int]  # (peer rank, tag)
 
 
@@ -208,7 +208,9 @@ def _describe(value: Any) -> tuple[_Layout, list[Tensor]]:
         return ("tensor", value.dtype, tuple(value.shape), value.requires_grad), [value]
     leaves, spec = tree_flatten(value)
     tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor)]
-    structure = pickle.dumps((spec, [_SLOT if isinstance(leaf, Tensor) else leaf for leaf in leaves]))
+    # The value with a marker for each tensor, not its TreeSpec: unpickling a spec builds torch's deprecated
+    # LeafSpec, which warns (torch >= 2.10) once per process.
+    structure = pickle.dumps(tree_unflatten([_SLOT if isinstance(leaf, Tensor) else leaf for leaf in leaves], spec))
     metas = tuple((t.dtype, tuple(t.shape), t.requires_grad) for t in tensors)
     return ("tree", structure, metas), tensors
 
@@ -260,7 +262,7 @@ def _unpack(buffer: Tensor, layout: _Layout, requires_grad: bool) -> Any:
     leaves_with_grad = [t for t in tensors if t.requires_grad]
     if layout[0] == "tensor":
         return tensors[0], leaves_with_grad
-    spec, leaves = pickle.loads(layout[1])
+    leaves, spec = tree_flatten(pickle.loads(layout[1]))
     it = iter(tensors)
     return tree_unflatten([next(it) if leaf is _SLOT else leaf for leaf in leaves], spec), leaves_with_grad
 

@@ -1,0 +1,65 @@
+"""A tiny GPT written as the smp docs tell users to write one, shared by the tests that train it under pipeline and
+tensor parallelism: layers built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=
+smp.tp_size() > 1)``, a ModuleList trunk for the pipeline, and a head tied to the token embedding. It has no
+training recipe: each test adds its own steps, optimizer and data.
+"""
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_smp import smp
+
+__all__ = ["HEADS", "SEQ", "VOCAB", "WIDTH", "TinyGPT", "token_batches"]
+
+VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
+
+
+def token_batches(seed: int, samples: int) -> tuple[Tensor, Tensor]:
+    """``samples`` random sequences as (inputs, next-token targets), each (samples, SEQ)."""
+    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+class TinyGPT(pl.LightningModule):
+    """Embeddings, two torch transformer layers (packed q/k/v: split in three blocks under tensor parallelism), a
+    head tied to the token embedding; ``vocab_parallel`` uses smp.nn's vocabulary-parallel embedding and LM head.
+    The same weights on every rank and in every layout (seeded in `configure_model`)."""
+
+    def __init__(self, *, vocab_parallel: bool = False) -> None:
+        super().__init__()
+        self.vocab_parallel = vocab_parallel
+        self.blocks: nn.ModuleList | None = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        torch.manual_seed(0)
+        embedding = smp.nn.DistributedEmbedding if self.vocab_parallel else nn.Embedding
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            self.tok = embedding(VOCAB, WIDTH)
+            self.pos = nn.Embedding(SEQ, WIDTH)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(2)
+            )
+            self.norm = nn.LayerNorm(WIDTH)
+            self.head = (
+                smp.nn.DistributedLMHead(WIDTH, VOCAB) if self.vocab_parallel else nn.Linear(WIDTH, VOCAB, bias=False)
+            )
+        self.head.weight = self.tok.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # (B, T, W)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=h.dtype)
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return self.head(self.norm(h))  # (B, T, V), or (B, T, V/tp) vocab-parallel
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        """The mean next-token cross entropy of ``(ids, target)``, in fp32."""
+        ids, target = batch
+        if self.vocab_parallel:
+            return self.head.loss(self(ids), target)
+        return F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())

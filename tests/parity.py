@@ -1,0 +1,140 @@
+"""The comparison every layout test makes with the single-device run (DESIGN.md §4), written once.
+
+`single_device_run` trains a model for N steps in one process in plain PyTorch (the reference); `one_process`
+runs a test's own fit as a one-rank job; the layouts run under `tests/distributed.py::run_distributed`.
+`mean_losses` averages the ranks' per-step losses over the data-parallel replicas, and the asserts compare with
+the tolerances of DESIGN.md: fp32 within `FP32_REL`; fp16 with the same skipped steps and loss scale, within
+`FP16_REL`. The models, layouts and what else a test checks stay in the test files.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DistributedSampler
+
+from lightning_smp.loss_scaler import DynamicLossScaler
+from lightning_smp.optimizer import MasterWeightOptimizer
+from tests.distributed import run_distributed
+
+__all__ = [
+    "FP16_REL",
+    "FP32_REL",
+    "assert_fp16_matches",
+    "assert_same_overflow",
+    "assert_tensors_close",
+    "mean_losses",
+    "one_process",
+    "single_device_run",
+]
+
+FP32_REL = 1e-5  # fp32 layouts against the single-device fp32 run, relative
+FP16_REL = 2e-2  # fp16 layouts against the single-device fp16 run (with the same skipped steps), relative
+
+Record = Mapping[str, Any]
+
+
+def single_device_run(
+    build: Callable[[], Any],
+    loss: Callable[[Any, Any, int], Tensor],
+    *,
+    steps: int,
+    replicas: int = 1,
+    fp16: bool = False,
+    init_scale: float = 2.0**16,
+    clip_norm: float | None = None,
+) -> dict[str, Any]:
+    """``steps`` steps in plain PyTorch on the global batch (the data-parallel replicas' batches together, in
+    Lightning's shuffled order): fp32, or fp16 with fp32 master weights (the package's optimizer), optionally
+    clipping the gradient norm as Lightning's ``gradient_clip_val`` does.
+
+    ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
+    used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
+    name), ``skipped`` and ``scale`` (fp16's overflow record; 0 and None in fp32).
+    """
+    torch.manual_seed(0)
+    model = build()
+    optimizer = model.configure_optimizers()
+    optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
+    if fp16:
+        model.half()
+        optimizer = MasterWeightOptimizer(
+            type(optimizer)(model.parameters(), **optimizer.defaults),
+            loss_scaler=DynamicLossScaler.from_args({"init_scale": init_scale}),
+        )
+    dataset = model.train_dataloader().dataset
+    batch_size = model.train_dataloader().batch_size
+    samplers = [DistributedSampler(dataset, num_replicas=replicas, rank=r, seed=0) for r in range(replicas)]
+    per_epoch = len(samplers[0]) // batch_size
+    losses = []
+    for step in range(steps):
+        epoch, index = divmod(step, per_epoch)
+        shards = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            shards.append(list(sampler)[index * batch_size : (index + 1) * batch_size])
+        batch = dataset[torch.tensor([i for shard in shards for i in shard])]
+        if fp16:
+            batch = [t.half() if t.is_floating_point() else t for t in batch] if isinstance(batch, tuple) else batch
+        value = loss(model, batch, step)
+        losses.append(value.item())
+        optimizer.zero_grad()
+        (value.float() * (optimizer.loss_scale if fp16 else 1.0)).backward()
+        if fp16:
+            optimizer.note_backward()
+            if clip_norm is not None:
+                optimizer.clip_master_grads(clip_norm)
+        elif clip_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        optimizer.step()
+    return {
+        "losses": losses,
+        "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "skipped": optimizer.skipped_steps.item() if fp16 else 0.0,
+        "scale": optimizer.loss_scale if fp16 else None,
+    }
+
+
+def one_process(target: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """``target(0, *args)`` as a one-rank job (the reference of a test whose fit is a Lightning run)."""
+    (record,) = run_distributed(target, 1, *args, timeout=timeout)
+    return record
+
+
+def mean_losses(runs: Sequence[Record], *, replica: str | None = None, steps: int | None = None) -> list[float]:
+    """Each step's loss averaged over the data-parallel replicas; ``runs`` are the ranks' records (``losses``).
+
+    ``replica`` names the record's data-parallel index: the ranks of one replica (its stages) must report the same
+    losses, and it counts once. Without it every record counts. ``steps``: how many losses every record has.
+    """
+    by_replica: dict[Any, list[float]] = {}
+    for rank, run in enumerate(runs):
+        if steps is not None:
+            assert len(run["losses"]) == steps, f"rank {rank}"
+        key = rank if replica is None else run[replica]
+        assert by_replica.setdefault(key, run["losses"]) == run["losses"], f"rank {rank}: its replica disagrees"
+    return [sum(values) / len(values) for values in zip(*by_replica.values(), strict=True)]
+
+
+def assert_same_overflow(run: Record, reference: Record) -> None:
+    """fp16: the same number of skipped steps and the same final loss scale as the reference."""
+    assert run["skipped"] == reference["skipped"] and run["scale"] == reference["scale"]
+
+
+def assert_fp16_matches(run: Record, reference: Record) -> None:
+    """fp16 parity of one rank's record: the same skipped steps and loss scale, per-step losses within FP16_REL."""
+    assert_same_overflow(run, reference)
+    assert run["losses"] == pytest.approx(reference["losses"], rel=FP16_REL)
+
+
+def assert_tensors_close(
+    actual: Mapping[str, Tensor], expected: Mapping[str, Tensor], *, rtol: float, atol: float, label: str = ""
+) -> None:
+    """The same names, and every tensor within the tolerances of the reference's (``rtol=atol=0``: equal)."""
+    assert set(actual) == set(expected), label
+    for name, value in expected.items():
+        torch.testing.assert_close(
+            actual[name], value, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{label} {n}: {m}".strip()
+        )
