@@ -110,6 +110,15 @@ def test_pipeline_stages_hold_their_trunk_children_and_the_modules_on_their_side
     assert (first.parameters, last.parameters) == (4 * expected_first, 4 * expected_last)
 
 
+def test_a_parameter_set_on_the_trunks_ancestor_is_held_by_every_stage():
+    model = _gpt()
+    with torch.device("meta"):
+        model.scale = nn.Parameter(torch.ones(WIDTH))  # on the LightningModule itself, as the pipeline allows
+    without = estimate_memory(_gpt(), config={"pipeline_parallel_degree": 2, "microbatches": 2}).ranks
+    with_scale = estimate_memory(model, config={"pipeline_parallel_degree": 2, "microbatches": 2}).ranks
+    assert [b.parameters - a.parameters for a, b in zip(without, with_scale, strict=True)] == [4 * WIDTH] * 2
+
+
 def test_manual_partition_sizes_decide_the_stages():
     model = _gpt()
     config = {"pipeline_parallel_degree": 2, "microbatches": 2, "partition": [1, 3]}
