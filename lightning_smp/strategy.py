@@ -45,6 +45,7 @@ from lightning_smp import activation_checkpointing, fault_tolerance, tensor_para
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
+from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
 from lightning_smp.materialization import has_meta_tensors, materialize_kept
@@ -279,7 +280,8 @@ class SMPStrategy(DDPStrategy):
             self._pipeline is None or self._pipeline.module is not model
         )
         trunk = find_trunk(model, config.pipeline_module)[1] if builds_pipeline else None
-        activation_checkpointing.apply(model, pipelined_trunk=trunk)
+        offloader = ActivationOffloader(config.activation_loading_horizon) if config.offload_activations else None
+        activation_checkpointing.apply(model, pipelined_trunk=trunk, offloader=offloader)
         if builds_pipeline:
             self._pipeline = build_engine(model, topology=self.topology, config=config)
         if on_meta:

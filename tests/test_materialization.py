@@ -8,6 +8,7 @@ the single-device run, and the memory a rank reaches while setting up with what 
 """
 
 import ctypes
+import math
 import os
 import resource
 import sys
@@ -24,7 +25,7 @@ from lightning_smp import SMPStrategy
 from lightning_smp.materialization import materialize_kept
 from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard
 from tests.distributed import run_distributed
-from tests.models import quiet_trainer
+from tests.models import quiet_trainer, small_cnn
 
 STEPS = 6
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
@@ -55,11 +56,29 @@ class _Built(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+class _Positions(nn.Module):
+    """Sinusoidal position encodings in a buffer computed at build time (as a rotary table is): no parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        position = torch.arange(SEQ).unsqueeze(1).float()
+        frequency = torch.exp(torch.arange(0, WIDTH, 2).float() * (-math.log(10000.0) / WIDTH))
+        table = torch.zeros(SEQ, WIDTH)
+        table[:, 0::2] = torch.sin(position * frequency)
+        table[:, 1::2] = torch.cos(position * frequency)
+        self.register_buffer("table", table)
+
+    def forward(self, length: int) -> torch.Tensor:
+        return self.table[:length]
+
+
 class GPT(_Built):
-    """An embedding, nn.TransformerEncoderLayer blocks in a ModuleList (the trunk), a norm and an untied head."""
+    """An embedding and a position table, nn.TransformerEncoderLayer blocks in a ModuleList (the trunk), a norm and
+    an untied head."""
 
     def build(self) -> None:
         self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.positions = _Positions()
         self.blocks = nn.ModuleList(
             nn.TransformerEncoderLayer(WIDTH, 2, 2 * WIDTH, dropout=0.0, batch_first=True) for _ in range(BLOCKS)
         )
@@ -68,7 +87,7 @@ class GPT(_Built):
         self.built = True
 
     def forward(self, idx):
-        x = self.wte(idx)
+        x = self.wte(idx) + self.positions(idx.shape[1])
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
@@ -85,15 +104,7 @@ class CNN(_Built):
     """The whole model is one nn.Sequential (the trunk)."""
 
     def build(self) -> None:
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(4, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Flatten(),
-            nn.Linear(8 * 4 * 4, 10),
-        )
+        self.net = small_cnn()
         self.built = True
 
     def training_step(self, batch, batch_idx):
@@ -126,7 +137,7 @@ _SAME_BATCHES = {"use_distributed_sampler": False}  # one replica everywhere: ev
 
 
 class _Capture(Callback):
-    """This rank's parameters (with their shard) and its peak memory once setup is done; every step's loss."""
+    """This rank's parameters and buffers (with their shard), its peak memory once set up, every step's loss."""
 
     def __init__(self) -> None:
         self.losses: list[float] = []
@@ -135,7 +146,7 @@ class _Capture(Callback):
 
     def on_fit_start(self, trainer, pl_module):
         self.peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        for name, param in pl_module.named_parameters():
+        for name, param in [*pl_module.named_parameters(), *pl_module.named_buffers()]:
             shard = shard_of(param)
             where = None if shard is None else (shard.dim, shard.blocks, shard.index, shard.parts)
             self.params[name] = (param.detach().float().clone(), where)
@@ -195,7 +206,7 @@ def _eager(model_name: str, **strategy_kwargs) -> dict:
     if key not in _REFERENCES:
         torch.manual_seed(0)
         model = MODELS[model_name](build_now=True)
-        whole = {name: param.detach().clone() for name, param in model.named_parameters()}
+        whole = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
         strategy = SMPStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
         _REFERENCES[key] = {**_fit_built(model, strategy), "whole": whole}
     return _REFERENCES[key]
@@ -286,6 +297,7 @@ def test_the_layouts_really_split_the_model(two_ranks):
     for result in two_ranks:
         sharded = {n for n, (_, where) in result["gpt_tp2"]["params"].items() if where is not None}
         assert {"wte.weight", "blocks.0.linear1.weight", "blocks.0.self_attn.in_proj_weight"} <= sharded
+    assert all("positions.table" in r["gpt_pp2"]["params"] for r in two_ranks)  # buffer-only: on every stage
 
 
 @pytest.mark.timeout(500)

@@ -376,7 +376,8 @@ class _LanguageModel(nn.Module):
             self.head.weight = self.embed.weight
 
     def forward(self, idx):
-        x = self.embed(idx) + self.position(torch.arange(idx.shape[1]))
+        x = self.embed(idx)
+        x += self.position(torch.arange(idx.shape[1]))  # in place: on a later stage, into the placeholder
         for block in self.blocks:
             x = block(x)
         return self.head(x)
@@ -391,7 +392,7 @@ def _hold(model, stage):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_a_later_stage_holds_no_module_before_the_trunk_and_replaces_its_output_by_free_zeros(tied):
+def test_a_later_stage_holds_no_module_before_the_trunk_and_replaces_its_output_by_zeros(tied):
     torch.manual_seed(0)
     whole = _LanguageModel(tied=tied)
     first, last = _LanguageModel(tied=tied), _LanguageModel(tied=tied)
@@ -409,7 +410,7 @@ def test_a_later_stage_holds_no_module_before_the_trunk_and_replaces_its_output_
     with first_router.run(0), pytest.raises(StageExit) as stop:
         first(idx)
     placeholder = last.embed(idx)
-    assert placeholder.shape == (2, 5, 3) and placeholder.stride() == (0, 0, 0) and not placeholder.any()
+    assert placeholder.shape == (2, 5, 3) and not placeholder.any()
     with last_router.run(1, stop.value.output):
         out = last(idx)
     torch.testing.assert_close(out, whole(idx))

@@ -4,7 +4,6 @@ Each `run_distributed` call starts its ranks once and trains several layouts one
 dominates on two shared cores); the module-scoped fixtures hold their results and the tests compare them.
 """
 
-import math
 import os
 from functools import partial
 
@@ -19,31 +18,13 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
-from tests.models import quiet_trainer
+from tests.models import TransformerBlock, quiet_trainer, small_cnn
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses, single_device_run
 
 STEPS = 10
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
 
 # -- models ----------------------------------------------------------------------------------------------------
-
-
-class Block(nn.Module):
-    """A pre-norm transformer block; the causal mask comes in as an extra argument (not sent between stages)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(WIDTH)
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-        self.norm2 = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)  # (B, T, W) each
-        attention = (q @ k.transpose(-1, -2) / math.sqrt(WIDTH)).masked_fill(mask, float("-inf")).softmax(-1)
-        x = x + self.proj(attention @ v)
-        return x + self.mlp(self.norm2(x))
 
 
 class TinyGPT(pl.LightningModule):
@@ -63,7 +44,7 @@ class TinyGPT(pl.LightningModule):
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.wpe = nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(TransformerBlock(WIDTH) for _ in range(BLOCKS))
         if checkpoint:
             smp.set_activation_checkpointing(self.blocks, strategy=checkpoint)
         self.norm = nn.LayerNorm(WIDTH)
@@ -121,17 +102,7 @@ class TinyCNN(pl.LightningModule):
 
     def __init__(self, *, batch_size: int = 8, samples: int = 80, checkpoint: str | None = None) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(4, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(8, 8, 3, padding=1),
-            nn.Tanh(),
-            nn.Flatten(),
-            nn.Linear(8 * 4 * 4, 10),
-        )
+        self.net = small_cnn()
         if checkpoint:
             smp.set_activation_checkpointing(self.net, strategy=checkpoint)
         self.batch_size = batch_size

@@ -9,7 +9,7 @@ carrying the output to send. It also checks, as the children run, that the trunk
 child takes the previous child's output as its first argument, and no extra argument needs a gradient (a skip
 connection that would cross a stage boundary). Outside a pipelined step every owned child runs normally.
 A module outside the trunk that this stage does not hold (`OutsidePlan`) becomes a `StandIn`: the code before the
-trunk still runs on every stage (smp's semantics), but on a later stage its modules return free placeholders
+trunk still runs on every stage (smp's semantics), but on a later stage its modules return cheap placeholders
 (zeros of the right shape, found by running the module on the meta device) where the first stage computes; the
 trunk's first child of the stage takes the received activation instead. Not owned: sending, receiving and the
 schedule (`runtime.py`), the plan (`partition.py`).
@@ -167,7 +167,8 @@ class StandIn(nn.Module):
 
     It keeps the parameters of the module that this stage holds anyway (a tied weight, under its original
     names) and a copy of the module on the meta device (no memory), which it runs on its inputs to learn the
-    output's shape and dtype; it returns zeros of that shape (expanded: no memory) on its inputs' device.
+    output's shape and dtype; it returns zeros of that shape on its inputs' device (real ones, not an expanded
+    scalar, so that code writing into them in place, ``x += pos``, still runs).
     Called at the wrong side of the trunk during a pipelined step (registered after the trunk but run before
     it, or the reverse) it raises: the placement follows the registration order.
     """
@@ -202,7 +203,7 @@ class StandIn(nn.Module):
 
         def placeholder(value: Any) -> Any:
             if isinstance(value, Tensor) and value.is_meta:
-                return torch.zeros((), dtype=value.dtype, device=device).expand(value.shape)
+                return torch.zeros(value.shape, dtype=value.dtype, device=device)
             return value
 
         return tree_map(placeholder, shapes)
