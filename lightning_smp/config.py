@@ -84,7 +84,6 @@ _INACTIVE_SETTINGS: dict[str, str] = {
     "sdp_max_live_parameters": "sharded data parallelism is not implemented",
     "sdp_hierarchical_allgather": "sharded data parallelism is not implemented",
     "sdp_gradient_clipping": "sharded data parallelism is not implemented; clip with gradient_clip_val",
-    "delayed_parameter_initialization": "parameters are initialised when the module is built",
     "fp16_params": "smp deprecated it in favour of fp16; set fp16=True",
     "optimize": "tensor-parallel layers have a single implementation",
 }
@@ -205,7 +204,9 @@ class SMPConfig:
     prescaled_batch: bool = False
     """The ranks of one tensor-parallel group receive the same batch (used by the vocab-parallel LM head)."""
     delayed_parameter_initialization: bool = False
-    """smp: create parameters only once their shard and device are known, to save CPU memory."""
+    """smp: build the model in ``configure_model`` on the meta device and materialise at setup only what each
+    rank keeps (its pipeline stage, its tensor-parallel shards), with the values a single-device build with the
+    same seed gives; no rank ever holds the whole model. ``trainer.init_module(empty_init=True)`` does the same."""
     skip_tracing: bool = False
     """smp: skip the tracing pass that measures module costs before partitioning."""
     tensor_parallel_seed: int = 0

@@ -47,6 +47,8 @@ from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
 from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.config import SMPConfig
+from lightning_smp.delayed_init import deferred_init
+from lightning_smp.materialization import has_meta_tensors, materialize_kept
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine, build_engine
 from lightning_smp.pipeline.partition import find_trunk
@@ -235,10 +237,25 @@ class SMPStrategy(DDPStrategy):
         self.failed = False
         fault_tolerance.close_process_groups_at_exit(self)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``configure_model`` and ``trainer.init_module()`` build here. With ``empty_init=True`` or
+        ``delayed_parameter_initialization=True`` the modules are created on the meta device and their
+        initialisation is recorded (`delayed_init`); setup materialises only what each rank keeps, with the
+        values a single-device build with the same seed gives."""
+        if not (empty_init or self._config.delayed_parameter_initialization):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with deferred_init(), self.precision_plugin.tensor_init_context():
+            yield
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        # The model is whole here (built in `configure_model`, same init on every rank); parallelise it before
-        # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
+        # The model is whole here (built in `configure_model`, same init on every rank), or on the meta device
+        # (delayed initialisation); parallelise it before Lightning converts its precision, moves it and builds the
+        # optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
         _reduce_metrics_over_replicas(self.model, self.topology)
         self._sigterm.install(trainer)
@@ -255,8 +272,10 @@ class SMPStrategy(DDPStrategy):
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group, checkpoint the modules marked for it, and keep
-        this rank's pipeline stage (in this order: see `activation_checkpointing`)."""
+        this rank's pipeline stage (in this order: see `activation_checkpointing`). A model on the meta device is
+        planned and pruned so, then only what this rank keeps is materialised (plan, then apply)."""
         config = self._config
+        on_meta = has_meta_tensors(model)
         model = tensor_parallel.parallelize(model, topology=self.topology, config=config)
         builds_pipeline = config.pipeline_parallel_degree > 1 and (
             self._pipeline is None or self._pipeline.module is not model
@@ -266,6 +285,8 @@ class SMPStrategy(DDPStrategy):
         activation_checkpointing.apply(model, pipelined_trunk=trunk, offloader=offloader)
         if builds_pipeline:
             self._pipeline = build_engine(model, topology=self.topology, config=config)
+        if on_meta:
+            materialize_kept(model, device=torch.device("cpu"))  # Lightning moves it to the device next
         return model
 
     @property

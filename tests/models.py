@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["TinyRegressor", "TransformerBlock", "mlp", "quiet_trainer", "random_dataset"]
+__all__ = ["TinyRegressor", "TransformerBlock", "mlp", "quiet_trainer", "random_dataset", "small_cnn"]
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], Optimizer]
 
@@ -48,6 +48,22 @@ def random_dataset(num_samples: int = 64, in_features: int = 8, out_features: in
 def mlp(in_features: int = 8, hidden: int = 16, out_features: int = 1) -> nn.Sequential:
     """A two-layer MLP, created in the current default dtype."""
     return nn.Sequential(nn.Linear(in_features, hidden), nn.Tanh(), nn.Linear(hidden, out_features))
+
+
+def small_cnn() -> nn.Sequential:
+    """A small classifier of 1 x 8 x 8 images into 10 classes, as one nn.Sequential (a pipeline trunk with nothing
+    before or after it), created in the current default dtype."""
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.Tanh(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 10),
+    )
 
 
 class TransformerBlock(nn.Module):
