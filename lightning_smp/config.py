@@ -78,7 +78,6 @@ _INACTIVE_SETTINGS: dict[str, str] = {
     "contiguous": "it is a TensorFlow-only smp setting",
     "deterministic_server": "there is no execution server; every rank runs the same fixed pipeline schedule",
     "skip_tracing": "lightning_smp never traces the model",
-    "shard_optimizer_state": "optimizer state sharding is not implemented",
     "sharded_data_parallel_degree": "sharded data parallelism is not implemented",
     "sdp_reduce_bucket_size": "sharded data parallelism is not implemented",
     "sdp_param_persistence_threshold": "sharded data parallelism is not implemented",
@@ -186,7 +185,10 @@ class SMPConfig:
     fp16_params: bool = False
     """smp (deprecated in favour of fp16): create distributed modules' parameters in fp16."""
     shard_optimizer_state: bool = False
-    """smp: shard optimizer state over the data-parallel ranks that hold the same parameters."""
+    """smp: shard the fp32 master weights and the optimizer state over the data-parallel replicas (ZeRO-1): each
+    replica keeps and updates a contiguous 1/dp share, gradients are reduce-scattered instead of all-reduced and the
+    updated parameters all-gathered. Works with fp16, bf16 and fp32, tensor and pipeline parallelism; checkpoints
+    store the state by parameter name, so they resume at any dp degree, sharded or not."""
     sharded_data_parallel_degree: int = 1
     """smp: number of ranks the training state is sharded over (MiCS/ZeRO-style); 1 turns it off."""
     sdp_reduce_bucket_size: int = 500_000_000

@@ -8,8 +8,8 @@ and settles the stages at the end of each loop; it owns the precision plugin (Li
 it, see reference/lightning-2.6.md), samples data by data-parallel rank, reduces logged values over the replicas,
 saves and loads sharded checkpoints (`checkpoint`), ends every rank on a failure and frees the process groups at
 exit after a success (`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
-backward-overlapped gradient all-reduce are DDP's; with one replica, or under pipeline parallelism (whose engine
-all-reduces itself), it skips the DDP wrapper.
+backward-overlapped gradient all-reduce are DDP's; with one replica, under pipeline parallelism (whose engine
+all-reduces itself) or with sharded optimizer state (whose optimizer reduce-scatters), it skips the DDP wrapper.
 """
 
 from __future__ import annotations
@@ -186,6 +186,7 @@ class SMPStrategy(DDPStrategy):
                 dynamic_loss_scale=self._config.dynamic_loss_scale,
                 static_loss_scale=self._config.static_loss_scale,
                 dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
+                shard_optimizer_state=self._config.shard_optimizer_state,
             )
         return self._precision_plugin
 
@@ -299,9 +300,10 @@ class SMPStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         if self.topology.size("dp") == 1:
             return  # one replica: there is nothing to all-reduce, so skip DDP's bucket copies
-        if self._pipeline is not None:
-            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; DDP's
-            # other job, making the replicas start equal, is done here.
+        if self._pipeline is not None or self._config.shard_optimizer_state:
+            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; with
+            # sharded optimizer state the optimizer reduce-scatters instead. DDP's other job, making the replicas
+            # start equal, is done here.
             _sync_over_replicas(self.model, self.topology)
             return
         super().configure_ddp()

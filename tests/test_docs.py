@@ -209,6 +209,8 @@ _GROUP_OF_PATH = {
     "precision.py": "Precision and loss scaling",
     "loss_scaler.py": "Precision and loss scaling",
     "optimizer.py": "Precision and loss scaling",
+    "master_shard.py": "Precision and loss scaling",
+    "grad_vote.py": "Precision and loss scaling",
     "host_mirror.py": "Precision and loss scaling",
     "checkpoint.py": "Checkpoints",
     "checkpoint/": "Checkpoints",

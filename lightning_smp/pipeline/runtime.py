@@ -9,9 +9,10 @@ weights in sync (pytorch #51931). The schedules are the same family (schedule.py
 
 Owns: the microbatch loop, forward and backward per action, scaling the pipelined loss (× loss scale / (m × k)),
 keeping the step's gradients aside until Lightning's backward call (Lightning zeroes gradients between
-``training_step`` and ``backward``), the all-reduce of those gradients over data-parallel replicas and of tied
-parameters over the first and last stages, and handing every stage the last stage's outputs, ``self.log`` calls
-and the state of the torchmetrics objects it logged. Not owned: the plan (partition.py, schedule.py), routing
+``training_step`` and ``backward``), the all-reduce of those gradients over data-parallel replicas (unless the
+optimizer state is sharded: its optimizer reduce-scatters them) and of tied parameters over the first and last
+stages, and handing every stage the last stage's outputs, ``self.log`` calls and the state of the torchmetrics
+objects it logged. Not owned: the plan (partition.py, schedule.py), routing
 inside the trunk (stage.py), messages (p2p.py).
 """
 
@@ -449,7 +450,7 @@ class PipelineEngine:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
             _all_reduce([p.grad for p in tied], topology.group("embedding"), divide_by=1)
-        if topology.dp > 1:
+        if topology.dp > 1 and not self._config.shard_optimizer_state:  # sharded: the optimizer reduce-scatters
             grads = [p.grad for p in self._trainable() if p.grad is not None]
             _all_reduce(grads, topology.group("dp"), divide_by=topology.dp)
         if not self._shared_checked:
