@@ -73,6 +73,39 @@ def test_batchnorm_stays_fp32_without_a_master_and_frozen_parameters_hold_only_w
     assert rank.optimizer_state == 8 * conv + 8 * norm
 
 
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_sharded_optimizer_state_keeps_a_1_over_dp_share_of_masters_their_grads_and_adam_state(precision):
+    model = _gpt()
+    n = _numel(model)
+    config = {"shard_optimizer_state": True, "fp16": precision == "fp16"}
+    whole = estimate_memory(model, config={"fp16": precision == "fp16"}, world_size=4).ranks[0]
+    report = estimate_memory(model, config=config, world_size=4)
+    (rank,) = report.ranks
+    share = -(-n // 4)  # one dtype: one flat buffer padded to a multiple of dp
+    assert report.layout.shard_optimizer_state and "optimizer state sharded" in str(report)
+    assert (rank.parameters, rank.gradients) == (whole.parameters, whole.gradients)
+    assert (rank.masters, rank.master_gradients, rank.optimizer_state) == (4 * share, 4 * share, 8 * share)
+    if precision == "fp16":  # the padded fp16 gradients, plus the share cast to fp16
+        assert rank.step_buffer == 2 * (4 * share + share)
+        assert rank.masters + rank.optimizer_state <= 0.26 * (whole.masters + whole.optimizer_state)
+    else:  # fp32 parameters are no longer their own masters; the reduce-scatter writes the fp32 share in place
+        assert rank.step_buffer == 4 * 4 * share
+        assert whole.masters == 0 and rank.optimizer_state <= 0.26 * whole.optimizer_state
+    assert rank.total == rank.model_states + rank.step_buffer
+    alone = estimate_memory(model, config=config).ranks[0]  # one replica: nothing to shard
+    assert (alone.masters, alone.step_buffer) == (whole.masters, 0)
+
+
+def test_sharded_optimizer_state_keeps_batchnorm_in_its_own_fp32_bucket():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    (rank,) = estimate_memory(model, config={"fp16": True, "shard_optimizer_state": True}, world_size=2).ranks
+    conv, norm = _numel(model[0]), _numel(model[1])
+    share = -(-conv // 2) + -(-norm // 2)
+    assert (rank.masters, rank.optimizer_state) == (4 * share, 8 * share)
+    assert rank.step_buffer == max(2 * (2 * -(-conv // 2) + -(-conv // 2)), 4 * 2 * -(-norm // 2))
+
+
 # -- what each rank holds -------------------------------------------------------------------------------------------
 
 
@@ -187,11 +220,29 @@ def test_fitting_layouts_lists_what_fits_smallest_model_parallel_degree_first():
     found = fitting_layouts(model, devices=8, device_memory=one_device - 1, config=config)
     assert found, "splitting over 8 devices must fit what one device misses by a byte"
     assert all(report.fits and report.layout.devices == 8 for report in found)
-    assert (1, 1) not in {(r.layout.pp, r.layout.tp) for r in found}
+    assert all(r.layout.shard_optimizer_state for r in found if r.layout.model_parallel == 1)  # dp=8 alone: sharded
     degrees = [r.layout.model_parallel for r in found]
     assert degrees == sorted(degrees)
     assert 8 not in {r.layout.pp for r in found}  # a 4-child trunk cannot make 8 stages: left out
-    assert layouts_table(found).splitlines()[1].split()[:3] == [str(found[0].layout.pp), str(found[0].layout.tp), "4"]
+    first = found[0].layout
+    assert layouts_table(found).splitlines()[1].split()[:3] == [str(first.pp), str(first.tp), str(first.dp)]
+
+
+def test_fitting_layouts_shards_the_optimizer_state_where_that_makes_a_layout_fit():
+    model = _gpt()
+    config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}}
+    replicated = estimate_memory(model, config=config, world_size=8).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=replicated - 1, config=config)
+    assert str(found[0].layout) == "pp=1 x tp=1 x dp=8, optimizer state sharded"
+    assert found[0].largest.total < replicated
+    assert layouts_table(found).splitlines()[1].split()[:4] == ["1", "1", "8", "sharded"]
+    roomy = fitting_layouts(model, devices=8, device_memory=replicated, config=config)
+    assert not roomy[0].layout.shard_optimizer_state  # fits whole: no sharding
+    forced = fitting_layouts(
+        model, devices=8, device_memory=replicated, config={**config, "shard_optimizer_state": True}
+    )
+    assert all(r.layout.shard_optimizer_state == (r.layout.dp > 1) for r in forced)
+    assert (1, 8, 1) in {(r.layout.pp, r.layout.tp, r.layout.dp) for r in forced}  # dp = 1 stays listed
 
 
 def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
