@@ -48,6 +48,12 @@ __all__ = [
 
 _OPTIMIZER_STATES = 2  # Adam/AdamW: exp_avg and exp_avg_sq, in the dtype of what the optimizer updates
 _MASTER_BYTES = 4  # fp32
+_SHARDED_ASSUMPTION = (
+    "shard_optimizer_state: each replica keeps 1/dp of the fp32 masters, their gradients and the optimizer state of "
+    "every trained parameter (fp32 ones too), padded per dtype; a step adds one flat buffer of the stage's "
+    "parameters in their dtype (the reduce-scatter's, then the all-gather's); saving a checkpoint gathers whole fp32 "
+    "masters and optimizer state for a moment (not counted)"
+)
 _TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 ASSUMPTIONS = (
@@ -56,10 +62,6 @@ ASSUMPTIONS = (
     "fp16/bf16: 16-bit parameters and gradients, fp32 masters and fp32 master gradients (one flat buffer each), "
     "BatchNorm kept in fp32 with no master",
     "frozen parameters (requires_grad=False) hold only their weights",
-    "shard_optimizer_state (dp > 1): each replica keeps 1/dp of the fp32 masters, their gradients and the optimizer "
-    "state of every trained parameter (fp32 ones too), padded per dtype; a step adds one flat buffer of the stage's "
-    "parameters in their dtype (the reduce-scatter's, then the all-gather's); saving a checkpoint gathers whole "
-    "fp32 masters and optimizer state for a moment (not counted)",
     "not counted: buffers, the framework and allocator overhead, other communication buffers",
 )
 
@@ -175,7 +177,8 @@ class MemoryReport:
             f"{format_bytes(largest.total)}{verdict}."
         )
         lines.append(f"Activations: {self.activation_note}")
-        lines += [f"Assumes {line}." for line in ASSUMPTIONS]
+        assumptions = (*ASSUMPTIONS, _SHARDED_ASSUMPTION) if self.layout.shard_optimizer_state else ASSUMPTIONS
+        lines += [f"Assumes {line}." for line in assumptions]
         return "\n".join(lines)
 
     def __str__(self) -> str:
