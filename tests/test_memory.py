@@ -83,6 +83,7 @@ def test_sharded_optimizer_state_keeps_a_1_over_dp_share_of_masters_their_grads_
     (rank,) = report.ranks
     share = -(-n // 4)  # one dtype: one flat buffer padded to a multiple of dp
     assert report.layout.shard_optimizer_state and "optimizer state sharded" in str(report)
+    assert "Assumes shard_optimizer_state: each replica keeps 1/dp" in str(report)
     assert (rank.parameters, rank.gradients) == (whole.parameters, whole.gradients)
     assert (rank.masters, rank.master_gradients, rank.optimizer_state) == (4 * share, 4 * share, 8 * share)
     if precision == "fp16":  # the padded fp16 gradients, plus the share cast to fp16
@@ -284,16 +285,16 @@ def test_bad_inputs_name_the_fix():
 # -- against the live ranks -------------------------------------------------------------------------------------------
 
 
-def _measured_and_planned(tmp_path: Path, layouts: str) -> list[dict]:
+def _measured_and_planned(tmp_path: Path, layouts: str, heads: str = "untied,tied") -> dict:
     out = tmp_path / "memory_scale.json"
     command = [sys.executable, str(_REPO / "benchmarks" / "memory_scale.py"), "--size", "smoke"]
-    command += ["--layouts", layouts, "--out", str(out)]
+    command += ["--layouts", layouts, "--heads", heads, "--out", str(out)]
     try:
         done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=1150)
     except subprocess.TimeoutExpired:
         pytest.fail("benchmarks/memory_scale.py --size smoke ran past 1150 s", pytrace=False)
     assert done.returncode == 0, f"memory_scale.py failed:\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.timeout(1200)  # eight short fits in fresh processes, up to four ranks each
@@ -301,15 +302,33 @@ def test_planned_model_states_are_within_10_percent_of_the_measured_bytes(tmp_pa
     """One device, tp2, pp2 and pp2 x tp2, tied and untied head: every rank's parameters + gradients + masters +
     master gradients + optimizer state as the planner counts them, against the live tensors of a two-step fit."""
     layouts = ("1", "tp2", "pp2", "pp2xtp2")
-    rows = _measured_and_planned(tmp_path, ",".join(layouts))
+    rows = _measured_and_planned(tmp_path, ",".join(layouts))["rows"]
     assert [(row["head"], row["layout"], len(row["ranks"])) for row in rows] == [
         (head, layout, ranks)
         for head in ("untied", "tied")
         for layout, ranks in zip(layouts, (1, 2, 2, 4), strict=True)
     ]
+    _assert_planned_within_10_percent(rows)
+
+
+def _assert_planned_within_10_percent(rows: list[dict]) -> None:
     kinds = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
     for row in rows:
         for rank in row["ranks"]:
             measured = sum(rank[kind] for kind in kinds)
             planned = sum(rank["planned"][kind] for kind in kinds)
             assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
+
+
+@pytest.mark.timeout(600)  # two short fits in fresh processes, two ranks each
+def test_sharded_optimizer_state_halves_masters_and_adam_state_at_dp2_as_planned(tmp_path):
+    """dp2 with and without shard_optimizer_state: the planner within 10% of every rank's live bytes, and each
+    sharded rank's fp32 masters + optimizer state at most 0.52 of an unsharded rank's (1/2 plus the padding)."""
+    result = _measured_and_planned(tmp_path, "dp2,dp2-sharded", heads="untied")
+    rows = result["rows"]
+    assert [(row["layout"], len(row["ranks"])) for row in rows] == [("dp2", 2), ("dp2-sharded", 2)]
+    _assert_planned_within_10_percent(rows)
+    whole, sharded = ([r["masters"] + r["optimizer_state"] for r in row["ranks"]] for row in rows)
+    assert max(sharded) <= 0.52 * min(whole), (sharded, whole)
+    (summary,) = [s for s in result["summary"] if s["layout"] == "dp2-sharded"]
+    assert summary["masters_and_state_of_unsharded"] <= 0.52 and summary["step_time_of_unsharded"] > 0
