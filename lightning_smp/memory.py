@@ -85,7 +85,7 @@ class Layout:
         return self.pp * self.tp
 
     def __str__(self) -> str:
-        sharded = ", optimizer state sharded" if self.shard_optimizer_state else ""
+        sharded = " (optimizer state sharded)" if self.shard_optimizer_state else ""
         return f"pp={self.pp} x tp={self.tp} x dp={self.dp}{sharded}"
 
 

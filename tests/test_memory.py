@@ -234,7 +234,7 @@ def test_fitting_layouts_shards_the_optimizer_state_where_that_makes_a_layout_fi
     config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}}
     replicated = estimate_memory(model, config=config, world_size=8).largest.total
     found = fitting_layouts(model, devices=8, device_memory=replicated - 1, config=config)
-    assert str(found[0].layout) == "pp=1 x tp=1 x dp=8, optimizer state sharded"
+    assert str(found[0].layout) == "pp=1 x tp=1 x dp=8 (optimizer state sharded)"
     assert found[0].largest.total < replicated
     assert layouts_table(found).splitlines()[1].split()[:4] == ["1", "1", "8", "sharded"]
     roomy = fitting_layouts(model, devices=8, device_memory=replicated, config=config)
