@@ -5,15 +5,16 @@ in an ``nn.ModuleList`` (the pipelined trunk), a LayerNorm and an ``nn.Linear`` 
 not — built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` and trained
 with fp16, fp32 masters and AdamW. Under tensor parallelism the head is split by the plan a user would write,
 ``tensor_parallel_plan={"head": "colwise"}``, with the loss from ``vocab_parallel_cross_entropy``. Each layout
-(one device, tp2, pp2, pp2×tp2) and head runs in a fresh process whose ranks Lightning launches (as
-``tp_memory.py``). Every rank reports, from the live model and optimizer:
+(one device, tp2, pp2, pp2×tp2, and dp2 with and without ``shard_optimizer_state``) and head runs in a fresh process
+whose ranks Lightning launches (as ``tp_memory.py``). Every rank reports, from the live model and optimizer:
 
 - the exact bytes of its parameters, their gradients (before the second optimizer step), the fp32 masters and their
   gradient buffer, and the optimizer state (after it);
 - its peak RSS over the whole process (``ru_maxrss``: imports, model creation, setup, training), the same peak
   when training starts (model creation and setup only), and the RSS it held just before ``Trainer.fit`` (so that
   the growth is what the fit added);
-- what `lightning_smp.estimate_memory` plans for that rank, from the same model built on the meta device.
+- what `lightning_smp.estimate_memory` plans for that rank, from the same model built on the meta device;
+- the wall time of its last training step (dp2-sharded's is compared with plain dp2's in the summary).
 
     python benchmarks/memory_scale.py                             # the 166M GPT of the issue (a while on a CPU)
     python benchmarks/memory_scale.py --size smoke --out x.json   # a tiny GPT, for tests
@@ -29,6 +30,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +56,15 @@ SIZES: dict[str, dict[str, int]] = {
     "medium": {"vocab": 8000, "width": 256, "heads": 8, "ff": 1024, "layers": 8, "seq": 16, "batch": 4},
     "full": {"vocab": 32000, "width": 1024, "heads": 16, "ff": 4096, "layers": 8, "seq": 16, "batch": 2},
 }
-LAYOUTS: dict[str, tuple[int, int]] = {"1": (1, 1), "tp2": (1, 2), "pp2": (2, 1), "pp2xtp2": (2, 2)}  # (pp, tp)
+# (pp, tp, dp, shard_optimizer_state)
+LAYOUTS: dict[str, tuple[int, int, int, bool]] = {
+    "1": (1, 1, 1, False),
+    "tp2": (1, 2, 1, False),
+    "pp2": (2, 1, 1, False),
+    "pp2xtp2": (2, 2, 1, False),
+    "dp2": (1, 1, 2, False),
+    "dp2-sharded": (1, 1, 2, True),
+}
 HEADS = ("untied", "tied")
 STEPS = 2  # the optimizer state exists after the first; the second is measured
 STATES = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
@@ -104,8 +114,10 @@ class ScaleGPT(L.LightningModule):
 
 def strategy_kwargs(layout: str, *, delayed_init: bool = False) -> dict[str, Any]:
     """The `SMPStrategy` settings of ``layout`` (the planner is given the same)."""
-    pp, tp = LAYOUTS[layout]
+    pp, tp, _, sharded = LAYOUTS[layout]
     kwargs: dict[str, Any] = {"fp16": True, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp}
+    if sharded:
+        kwargs["shard_optimizer_state"] = True
     if delayed_init:
         kwargs["delayed_parameter_initialization"] = True
     if pp > 1:
@@ -136,11 +148,18 @@ class _Measure(Callback):
     def on_train_start(self, trainer: L.Trainer, module: ScaleGPT) -> None:
         self.counts["peak_rss_before_training"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+    def on_train_batch_start(self, trainer: L.Trainer, module: ScaleGPT, batch: Any, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: ScaleGPT, outputs: Any, batch: Any, idx: int) -> None:
+        self.counts["step_seconds"] = time.perf_counter() - self._step_start  # the last step's is kept
+
     def on_before_optimizer_step(self, trainer: L.Trainer, module: ScaleGPT, optimizer: Any) -> None:
         if trainer.global_step != STEPS - 1:
             return
         params = list({id(p): p for p in module.parameters()}.values())
-        masters = [m for p, m in optimizer.param_master_pairs() if m is not p]
+        own = {id(p) for p in params}  # fp32 parameters unsharded are their own masters
+        masters = [m for m in optimizer.master_params() if id(m) not in own]
         self.counts.update(
             parameters=sum(p.numel() * p.element_size() for p in params),
             gradients=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
@@ -167,14 +186,13 @@ def run_layout(layout: str, head: str, size: str, path: str, *, delayed_init: bo
     rss_before_fit = _rss_bytes()
     torch.set_num_threads(1)
     shape = SIZES[size]
-    pp, tp = LAYOUTS[layout]
-    tokens = torch.randint(
-        0, shape["vocab"], (STEPS * shape["batch"], shape["seq"] + 1), generator=torch.Generator().manual_seed(0)
-    )
+    pp, tp, dp, _ = LAYOUTS[layout]
+    samples = STEPS * shape["batch"] * dp  # each replica runs STEPS batches
+    tokens = torch.randint(0, shape["vocab"], (samples, shape["seq"] + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=shape["batch"])
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=pp * tp,
+        devices=pp * tp * dp,
         # a small initial scale: the measured steps must not be skipped, or AdamW would hold no state yet
         strategy=SMPStrategy(
             **strategy_kwargs(layout, delayed_init=delayed_init), dynamic_loss_args={"init_scale": 2.0**8}
@@ -196,12 +214,12 @@ def _model(size: str, head: str) -> ScaleGPT:
 
 def planned(layout: str, head: str, size: str) -> list[dict[str, int]]:
     """The planner's model states per pipeline stage, for the model built on the meta device."""
-    pp, tp = LAYOUTS[layout]
+    pp, tp, dp, _ = LAYOUTS[layout]
     config = SMPConfig(**strategy_kwargs(layout))
     model = _model(size, head)
-    with smp.preview(config, world_size=pp * tp), torch.device("meta"):
+    with smp.preview(config, world_size=pp * tp * dp), torch.device("meta"):
         model.configure_model()
-    report = estimate_memory(model, config=config, world_size=pp * tp)
+    report = estimate_memory(model, config=config, world_size=pp * tp * dp)
     return [{kind: getattr(rank, kind) for kind in STATES} for rank in report.ranks]
 
 
@@ -231,13 +249,20 @@ def _states(rank: dict[str, Any], kinds: tuple[str, ...] = STATES) -> int:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per layout and head: the largest rank's figures, as fractions of one device's."""
+    """Per layout and head: the largest rank's figures, as fractions of one device's; a sharded layout's masters +
+    optimizer state and step time also as fractions of the same layout unsharded."""
     single = {row["head"]: row["ranks"][0] for row in rows if row["layout"] == "1"}
+    by_layout = {(row["layout"], row["head"]): row for row in rows}
     kept = ("parameters", "masters", "optimizer_state")
+    sharded_kinds = ("masters", "optimizer_state")
     summary = []
     for row in rows:
         one = single.get(row["head"])
+        unsharded = by_layout.get((row["layout"].removesuffix("-sharded"), row["head"]))
+        if unsharded is row:
+            unsharded = None
         largest = max(row["ranks"], key=_states)
+        step = max(r["step_seconds"] for r in row["ranks"])
         worst_plan = max(abs(_states(r["planned"]) / _states(r) - 1) for r in row["ranks"])
         peak = max(r["peak_rss"] for r in row["ranks"])
         growth = max(r["peak_rss"] - r["rss_before_fit"] for r in row["ranks"])
@@ -253,6 +278,15 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "growth_mib": growth / 2**20,
                 "creation_growth_mib": creation / 2**20,
                 "growth_of_one_device": growth / (one["peak_rss"] - one["rss_before_fit"]) if one else None,
+                "step_seconds": step,
+                "masters_and_state_of_unsharded": (
+                    _states(largest, sharded_kinds) / max(_states(r, sharded_kinds) for r in unsharded["ranks"])
+                    if unsharded
+                    else None
+                ),
+                "step_time_of_unsharded": (
+                    step / max(r["step_seconds"] for r in unsharded["ranks"]) if unsharded else None
+                ),
             }
         )
     return summary
@@ -265,14 +299,15 @@ def print_table(summary: list[dict[str, Any]], size: str) -> None:
         f"{s['heads']}, {s['ff']}), Linear head; fp16 + fp32 masters + AdamW; batch {s['batch']} x {s['seq']} tokens"
     )
     header = ("head", "layout", "model states", "params+masters+opt / 1", "planned vs measured", "peak RSS")
-    header += ("growth", "growth / 1", "growth at train start")
+    header += ("growth", "growth / 1", "growth at train start", "step", "masters+opt / unsharded", "step / unsharded")
     print("  ".join(header))
     for r in summary:
         kept, growth = _fraction(r["kept_of_one_device"]), _fraction(r["growth_of_one_device"])
         print(
             f"{r['head']:>4}  {r['layout']:>7}  {r['model_states_mib']:>9.1f} MiB  {kept:>22}  "
             f"{r['planned_error']:>19.1%}  {r['peak_rss_mib']:>4.0f} MiB  {r['growth_mib']:>6.0f} MiB  {growth:>10}  "
-            f"{r['creation_growth_mib']:>17.0f} MiB"
+            f"{r['creation_growth_mib']:>17.0f} MiB  {r['step_seconds']:>5.2f} s  "
+            f"{_fraction(r['masters_and_state_of_unsharded']):>23}  {_fraction(r['step_time_of_unsharded']):>16}"
         )
 
 

@@ -48,6 +48,12 @@ __all__ = [
 
 _OPTIMIZER_STATES = 2  # Adam/AdamW: exp_avg and exp_avg_sq, in the dtype of what the optimizer updates
 _MASTER_BYTES = 4  # fp32
+_SHARDED_ASSUMPTION = (
+    "shard_optimizer_state: each replica keeps 1/dp of the fp32 masters, their gradients and the optimizer state of "
+    "every trained parameter (fp32 ones too), padded per dtype; a step adds one flat buffer of the stage's "
+    "parameters in their dtype (the reduce-scatter's, then the all-gather's); saving a checkpoint gathers whole fp32 "
+    "masters and optimizer state for a moment (not counted)"
+)
 _TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 ASSUMPTIONS = (
@@ -56,21 +62,19 @@ ASSUMPTIONS = (
     "fp16/bf16: 16-bit parameters and gradients, fp32 masters and fp32 master gradients (one flat buffer each), "
     "BatchNorm kept in fp32 with no master",
     "frozen parameters (requires_grad=False) hold only their weights",
-    "not counted: buffers, the framework and allocator overhead, communication buffers",
+    "not counted: buffers, the framework and allocator overhead, other communication buffers",
 )
 
 
 @dataclass(frozen=True, slots=True)
 class Layout:
-    """Degrees of one layout; ``pp * tp * dp`` devices.
-
-    Sharding over the data-parallel replicas (smp's ``shard_optimizer_state``, sharded data parallelism) does not
-    exist yet; when it does, its setting belongs here, `_layouts` enumerates it, and `_report` divides the
-    sharded kinds by dp."""
+    """Degrees of one layout; ``pp * tp * dp`` devices. ``shard_optimizer_state``: the fp32 masters, their
+    gradients and the optimizer state are split over the dp replicas (ZeRO-1; only meaningful with dp > 1)."""
 
     pp: int
     tp: int
     dp: int
+    shard_optimizer_state: bool = False
 
     @property
     def devices(self) -> int:
@@ -81,7 +85,8 @@ class Layout:
         return self.pp * self.tp
 
     def __str__(self) -> str:
-        return f"pp={self.pp} x tp={self.tp} x dp={self.dp}"
+        sharded = " (optimizer state sharded)" if self.shard_optimizer_state else ""
+        return f"pp={self.pp} x tp={self.tp} x dp={self.dp}{sharded}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +108,9 @@ class RankMemory:
     """Activation bytes kept for backward per microbatch (None: not estimated)."""
     in_flight: int = 1
     """Microbatches whose activations the stage holds at once under the schedule (pp = 1: all of the batch's)."""
+    step_buffer: int = 0
+    """Bytes a step allocates and frees again: under ``shard_optimizer_state`` the flat gradients for the
+    reduce-scatter, then the flat parameters for the all-gather (one at a time, the parameters' dtype)."""
 
     @property
     def model_states(self) -> int:
@@ -110,8 +118,8 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        """Model states plus the activations of every microbatch in flight."""
-        return self.model_states + (self.activations or 0) * self.in_flight
+        """Model states, the step's transient buffer and the activations of every microbatch in flight."""
+        return self.model_states + self.step_buffer + (self.activations or 0) * self.in_flight
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +145,7 @@ class MemoryReport:
 
     def table(self) -> str:
         header = ("stage", "ranks", "params", "grads", "masters", "master grads", "optimizer", "model states")
-        header += ("activations/mb", "in flight", "total")
+        header += ("step buffer", "activations/mb", "in flight", "total")
         rows = [
             (
                 str(rank.stage),
@@ -145,6 +153,7 @@ class MemoryReport:
                 *map(format_bytes, (rank.parameters, rank.gradients, rank.masters, rank.master_gradients)),
                 format_bytes(rank.optimizer_state),
                 format_bytes(rank.model_states),
+                format_bytes(rank.step_buffer),
                 "-" if rank.activations is None else format_bytes(rank.activations),
                 str(rank.in_flight),
                 format_bytes(rank.total),
@@ -168,7 +177,8 @@ class MemoryReport:
             f"{format_bytes(largest.total)}{verdict}."
         )
         lines.append(f"Activations: {self.activation_note}")
-        lines += [f"Assumes {line}." for line in ASSUMPTIONS]
+        assumptions = (*ASSUMPTIONS, _SHARDED_ASSUMPTION) if self.layout.shard_optimizer_state else ASSUMPTIONS
+        lines += [f"Assumes {line}." for line in assumptions]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -194,8 +204,9 @@ def estimate_memory(
     """
     config = _as_config(config)
     world_size = config.model_parallel_degree if world_size is None else world_size
+    dp = config.data_parallel_degree(world_size)
     layout = Layout(
-        config.pipeline_parallel_degree, config.tensor_parallel_degree, config.data_parallel_degree(world_size)
+        config.pipeline_parallel_degree, config.tensor_parallel_degree, dp, config.shard_optimizer_state and dp > 1
     )
     return _report(model, layout, config, _as_bytes(device_memory), micro_batch_size, sequence_length)
 
@@ -211,7 +222,9 @@ def fitting_layouts(
 ) -> list[MemoryReport]:
     """The layouts of ``devices`` devices whose largest rank fits ``device_memory``, smallest model-parallel degree
     (pp × tp) first, then least memory. Every pp and tp whose product divides ``devices`` is tried (dp is the rest);
-    other settings come from ``config``, ``partition`` only where pp is the configured one. ``model`` may be a
+    with dp > 1 a layout that does not fit is tried again with ``shard_optimizer_state`` (always, when ``config``
+    sets it), so sharding is listed where it is what makes the layout fit. Other settings come from ``config``,
+    ``partition`` only where pp is the configured one. ``model`` may be a
     function of the tensor-parallel degree that builds the model, for models whose construction reads it
     (``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``). Layouts the model cannot take (a trunk with
     fewer children than stages, a plan that does not divide) are left out."""
@@ -219,33 +232,38 @@ def fitting_layouts(
     memory = _as_bytes(device_memory)
     built: dict[int, nn.Module] = {}
     found = []
-    for layout in _layouts(devices):
-        try:
-            layout_config = dataclasses.replace(
-                base,
-                pipeline_parallel_degree=layout.pp,
-                tensor_parallel_degree=layout.tp,
-                partition=base.partition if layout.pp == base.pipeline_parallel_degree else None,
-            )
-            if not isinstance(model, nn.Module) and layout.tp not in built:
-                built[layout.tp] = model(layout.tp)
-            module = model if isinstance(model, nn.Module) else built[layout.tp]
-            report = _report(module, layout, layout_config, memory, micro_batch_size, sequence_length)
-        except ValueError:
-            continue  # the model cannot take this layout; its own error says why when it is the one configured
-        if report.fits:
-            found.append(report)
+    for degrees in _layouts(devices):
+        sharding = [False, True] if degrees.dp > 1 and not base.shard_optimizer_state else [degrees.dp > 1]
+        for layout in [dataclasses.replace(degrees, shard_optimizer_state=shard) for shard in sharding]:
+            try:
+                layout_config = dataclasses.replace(
+                    base,
+                    pipeline_parallel_degree=layout.pp,
+                    tensor_parallel_degree=layout.tp,
+                    partition=base.partition if layout.pp == base.pipeline_parallel_degree else None,
+                    shard_optimizer_state=layout.shard_optimizer_state,
+                )
+                if not isinstance(model, nn.Module) and layout.tp not in built:
+                    built[layout.tp] = model(layout.tp)
+                module = model if isinstance(model, nn.Module) else built[layout.tp]
+                report = _report(module, layout, layout_config, memory, micro_batch_size, sequence_length)
+            except ValueError:
+                break  # the model cannot take these degrees; its own error says why when they are the configured ones
+            if report.fits:
+                found.append(report)
+                break
     return sorted(found, key=lambda r: (r.layout.model_parallel, r.largest.total, r.layout.pp))
 
 
 def layouts_table(reports: Sequence[MemoryReport]) -> str:
     """One line per layout: the degrees and the largest rank's memory, by kind."""
-    header = ("pp", "tp", "dp", "largest rank", "model states", "activations in flight", "stage")
+    header = ("pp", "tp", "dp", "optimizer state", "largest rank", "model states", "activations in flight", "stage")
     rows = [
         (
             str(r.layout.pp),
             str(r.layout.tp),
             str(r.layout.dp),
+            "sharded" if r.layout.shard_optimizer_state else "whole",
             format_bytes(r.largest.total),
             format_bytes(r.largest.model_states),
             "-" if r.largest.activations is None else format_bytes(r.largest.activations * r.largest.in_flight),
@@ -304,6 +322,7 @@ def _report(
     ranks = []
     for stage in range(layout.pp):
         count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
+        trained_by_size: dict[int, int] = {}  # bytes per element in the run → trained elements (sharded buckets)
         for param, names in params.values():
             if stage not in placement.stages_of(names):
                 continue
@@ -313,23 +332,50 @@ def _report(
             if not param.requires_grad:
                 continue
             count["gradients"] += elements * size
+            trained_by_size[size] = trained_by_size.get(size, 0) + elements
             updated = size
             if half is not None and id(param) not in fp32_owners:
                 count["masters"] += elements * _MASTER_BYTES
                 count["master_gradients"] += elements * _MASTER_BYTES
                 updated = _MASTER_BYTES
             count["optimizer_state"] += elements * updated * _OPTIMIZER_STATES
+        step_buffer = 0
+        if layout.shard_optimizer_state:
+            count.update(_sharded_masters(trained_by_size, layout.dp))
+            step_buffer = _sharded_step_buffer(trained_by_size, layout.dp)
         ranks.append(
             RankMemory(
                 stage=stage,
                 ranks=tuple(group[stage] for group in groups),
                 activations=None if activations is None else activations[stage],
                 in_flight=_in_flight(layout.pp, stage, config),
+                step_buffer=step_buffer,
                 **count,
             )
         )
     precision = "fp32" if half is None else f"{'fp16' if half == torch.float16 else 'bf16'} with fp32 masters"
     return MemoryReport(layout, precision, tuple(ranks), note, device_memory)
+
+
+def _sharded_masters(trained_by_size: Mapping[int, int], dp: int) -> dict[str, int]:
+    """A replica's share under ``shard_optimizer_state``: one flat fp32 buffer per parameter dtype, padded to a
+    multiple of dp, of masters, of their gradients and of each optimizer state (``ShardedMasters``)."""
+    share = sum(max(1, -(-elements // dp)) for elements in trained_by_size.values())
+    return {
+        "masters": share * _MASTER_BYTES,
+        "master_gradients": share * _MASTER_BYTES,
+        "optimizer_state": share * _MASTER_BYTES * _OPTIMIZER_STATES,
+    }
+
+
+def _sharded_step_buffer(trained_by_size: Mapping[int, int], dp: int) -> int:
+    """The most a sharded step holds at once besides the model states: per dtype, one after another, the padded flat
+    gradients (reduce-scatter) or parameters (all-gather) plus, for 16-bit ones, the share cast to their dtype."""
+    largest = 0
+    for size, elements in trained_by_size.items():
+        share = max(1, -(-elements // dp))
+        largest = max(largest, size * (share * dp + (share if size != _MASTER_BYTES else 0)))
+    return largest
 
 
 def _named_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:

@@ -180,7 +180,7 @@ def test_estimate_prints_the_configured_layout_and_the_layouts_that_fit(
     # about half of one device's model states per rank
     states = {}
     for line in out.split("smallest model-parallel degree first:")[1].splitlines()[2:]:
-        pp, tp, _dp, _, _, value, unit = line.split()[:7]
+        pp, tp, _dp, _optimizer_state, _, _, value, unit = line.split()[:8]
         states[(int(pp), int(tp))] = parse_bytes(value + unit)
     assert 0.45 < states[(1, 2)] / states[(1, 1)] < 0.6
 

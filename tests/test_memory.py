@@ -73,6 +73,40 @@ def test_batchnorm_stays_fp32_without_a_master_and_frozen_parameters_hold_only_w
     assert rank.optimizer_state == 8 * conv + 8 * norm
 
 
+@pytest.mark.parametrize("precision", ["fp16", "fp32"])
+def test_sharded_optimizer_state_keeps_a_1_over_dp_share_of_masters_their_grads_and_adam_state(precision):
+    model = _gpt()
+    n = _numel(model)
+    config = {"shard_optimizer_state": True, "fp16": precision == "fp16"}
+    whole = estimate_memory(model, config={"fp16": precision == "fp16"}, world_size=4).ranks[0]
+    report = estimate_memory(model, config=config, world_size=4)
+    (rank,) = report.ranks
+    share = -(-n // 4)  # one dtype: one flat buffer padded to a multiple of dp
+    assert report.layout.shard_optimizer_state and "optimizer state sharded" in str(report)
+    assert "Assumes shard_optimizer_state: each replica keeps 1/dp" in str(report)
+    assert (rank.parameters, rank.gradients) == (whole.parameters, whole.gradients)
+    assert (rank.masters, rank.master_gradients, rank.optimizer_state) == (4 * share, 4 * share, 8 * share)
+    if precision == "fp16":  # the padded fp16 gradients, plus the share cast to fp16
+        assert rank.step_buffer == 2 * (4 * share + share)
+        assert rank.masters + rank.optimizer_state <= 0.26 * (whole.masters + whole.optimizer_state)
+    else:  # fp32 parameters are no longer their own masters; the reduce-scatter writes the fp32 share in place
+        assert rank.step_buffer == 4 * 4 * share
+        assert whole.masters == 0 and rank.optimizer_state <= 0.26 * whole.optimizer_state
+    assert rank.total == rank.model_states + rank.step_buffer
+    alone = estimate_memory(model, config=config).ranks[0]  # one replica: nothing to shard
+    assert (alone.masters, alone.step_buffer) == (whole.masters, 0)
+
+
+def test_sharded_optimizer_state_keeps_batchnorm_in_its_own_fp32_bucket():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8))
+    (rank,) = estimate_memory(model, config={"fp16": True, "shard_optimizer_state": True}, world_size=2).ranks
+    conv, norm = _numel(model[0]), _numel(model[1])
+    share = -(-conv // 2) + -(-norm // 2)
+    assert (rank.masters, rank.optimizer_state) == (4 * share, 8 * share)
+    assert rank.step_buffer == max(2 * (2 * -(-conv // 2) + -(-conv // 2)), 4 * 2 * -(-norm // 2))
+
+
 # -- what each rank holds -------------------------------------------------------------------------------------------
 
 
@@ -187,11 +221,29 @@ def test_fitting_layouts_lists_what_fits_smallest_model_parallel_degree_first():
     found = fitting_layouts(model, devices=8, device_memory=one_device - 1, config=config)
     assert found, "splitting over 8 devices must fit what one device misses by a byte"
     assert all(report.fits and report.layout.devices == 8 for report in found)
-    assert (1, 1) not in {(r.layout.pp, r.layout.tp) for r in found}
+    assert all(r.layout.shard_optimizer_state for r in found if r.layout.model_parallel == 1)  # dp=8 alone: sharded
     degrees = [r.layout.model_parallel for r in found]
     assert degrees == sorted(degrees)
     assert 8 not in {r.layout.pp for r in found}  # a 4-child trunk cannot make 8 stages: left out
-    assert layouts_table(found).splitlines()[1].split()[:3] == [str(found[0].layout.pp), str(found[0].layout.tp), "4"]
+    first = found[0].layout
+    assert layouts_table(found).splitlines()[1].split()[:3] == [str(first.pp), str(first.tp), str(first.dp)]
+
+
+def test_fitting_layouts_shards_the_optimizer_state_where_that_makes_a_layout_fit():
+    model = _gpt()
+    config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}}
+    replicated = estimate_memory(model, config=config, world_size=8).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=replicated - 1, config=config)
+    assert str(found[0].layout) == "pp=1 x tp=1 x dp=8 (optimizer state sharded)"
+    assert found[0].largest.total < replicated
+    assert layouts_table(found).splitlines()[1].split()[:4] == ["1", "1", "8", "sharded"]
+    roomy = fitting_layouts(model, devices=8, device_memory=replicated, config=config)
+    assert not roomy[0].layout.shard_optimizer_state  # fits whole: no sharding
+    forced = fitting_layouts(
+        model, devices=8, device_memory=replicated, config={**config, "shard_optimizer_state": True}
+    )
+    assert all(r.layout.shard_optimizer_state == (r.layout.dp > 1) for r in forced)
+    assert (1, 8, 1) in {(r.layout.pp, r.layout.tp, r.layout.dp) for r in forced}  # dp = 1 stays listed
 
 
 def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
@@ -233,16 +285,16 @@ def test_bad_inputs_name_the_fix():
 # -- against the live ranks -------------------------------------------------------------------------------------------
 
 
-def _measured_and_planned(tmp_path: Path, layouts: str) -> list[dict]:
+def _measured_and_planned(tmp_path: Path, layouts: str, heads: str = "untied,tied") -> dict:
     out = tmp_path / "memory_scale.json"
     command = [sys.executable, str(_REPO / "benchmarks" / "memory_scale.py"), "--size", "smoke"]
-    command += ["--layouts", layouts, "--out", str(out)]
+    command += ["--layouts", layouts, "--heads", heads, "--out", str(out)]
     try:
         done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=1150)
     except subprocess.TimeoutExpired:
         pytest.fail("benchmarks/memory_scale.py --size smoke ran past 1150 s", pytrace=False)
     assert done.returncode == 0, f"memory_scale.py failed:\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())["rows"]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.timeout(1200)  # eight short fits in fresh processes, up to four ranks each
@@ -250,15 +302,33 @@ def test_planned_model_states_are_within_10_percent_of_the_measured_bytes(tmp_pa
     """One device, tp2, pp2 and pp2 x tp2, tied and untied head: every rank's parameters + gradients + masters +
     master gradients + optimizer state as the planner counts them, against the live tensors of a two-step fit."""
     layouts = ("1", "tp2", "pp2", "pp2xtp2")
-    rows = _measured_and_planned(tmp_path, ",".join(layouts))
+    rows = _measured_and_planned(tmp_path, ",".join(layouts))["rows"]
     assert [(row["head"], row["layout"], len(row["ranks"])) for row in rows] == [
         (head, layout, ranks)
         for head in ("untied", "tied")
         for layout, ranks in zip(layouts, (1, 2, 2, 4), strict=True)
     ]
+    _assert_planned_within_10_percent(rows)
+
+
+def _assert_planned_within_10_percent(rows: list[dict]) -> None:
     kinds = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
     for row in rows:
         for rank in row["ranks"]:
             measured = sum(rank[kind] for kind in kinds)
             planned = sum(rank["planned"][kind] for kind in kinds)
             assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
+
+
+@pytest.mark.timeout(600)  # two short fits in fresh processes, two ranks each
+def test_sharded_optimizer_state_halves_masters_and_adam_state_at_dp2_as_planned(tmp_path):
+    """dp2 with and without shard_optimizer_state: the planner within 10% of every rank's live bytes, and each
+    sharded rank's fp32 masters + optimizer state at most 0.52 of an unsharded rank's (1/2 plus the padding)."""
+    result = _measured_and_planned(tmp_path, "dp2,dp2-sharded", heads="untied")
+    rows = result["rows"]
+    assert [(row["layout"], len(row["ranks"])) for row in rows] == [("dp2", 2), ("dp2-sharded", 2)]
+    _assert_planned_within_10_percent(rows)
+    whole, sharded = ([r["masters"] + r["optimizer_state"] for r in row["ranks"]] for row in rows)
+    assert max(sharded) <= 0.52 * min(whole), (sharded, whole)
+    (summary,) = [s for s in result["summary"] if s["layout"] == "dp2-sharded"]
+    assert summary["masters_and_state_of_unsharded"] <= 0.52 and summary["step_time_of_unsharded"] > 0
