@@ -384,7 +384,7 @@ def global_grad_norm(
         local = torch.stack([g.abs().max() for g in grads]).max()
     else:
         local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-    if _group_size(group) <= 1:
+    if group is None or _group_size(group) <= 1:  # None: local (`_group_size` would read it as the world)
         return local
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
