@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler, clip_grad_norm_counted
+from lightning_smp.sharded_data_parallel import ShardedOptimizer
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -43,6 +44,8 @@ class SMPPrecision(Precision):
         static_loss_scale: fp16 with ``dynamic_loss_scale=False``: the fixed scale.
         dynamic_loss_args: fp16 dynamic scaling: smp's ``dynamic_loss_args`` (``init_scale``, ``scale_factor``,
             ``scale_window``, ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``).
+        sharded_clip_norm: set under sharded data parallelism (FSDP2): the module stays fp32 (FSDP2 casts for
+            compute) and every optimizer, fp32 ones too, becomes a `ShardedOptimizer` that clips to this norm.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class SMPPrecision(Precision):
         dynamic_loss_scale: bool = True,
         static_loss_scale: float = 1.0,
         dynamic_loss_args: dict[str, Any] | None = None,
+        sharded_clip_norm: float | None = None,
     ) -> None:
         if dtype not in _PRECISION_NAMES:
             raise ValueError(
@@ -62,6 +66,7 @@ class SMPPrecision(Precision):
         self._dynamic_loss_scale = dynamic_loss_scale
         self._static_loss_scale = static_loss_scale
         self._dynamic_loss_args = dict(dynamic_loss_args or {})
+        self._sharded_clip_norm = sharded_clip_norm
         self.topology: Topology | None = None  # set by SMPStrategy before `connect`
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
@@ -75,7 +80,7 @@ class SMPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.dtype is None:
+        if self.dtype is None or self._sharded_clip_norm is not None:
             return module
         module.to(self.dtype)
         for layer in module.modules():
@@ -100,7 +105,7 @@ class SMPPrecision(Precision):
         ``scaler_settings`` (``dynamic_loss_scale``, ``static_loss_scale``, ``dynamic_loss_args``) override the
         plugin's, as ``smp.DistributedOptimizer`` passes them.
         """
-        if self.dtype is None:
+        if self.dtype is None and self._sharded_clip_norm is None:
             raise ValueError("fp32 training has no master weights; use fp16=True or bf16=True to wrap optimizers.")
         loss_scaler = None
         if self.dtype == torch.float16:
@@ -109,7 +114,13 @@ class SMPPrecision(Precision):
                 static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
                 dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
             )
-        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=self._norm_group())
+        if self._sharded_clip_norm is not None:
+            assert self.topology is not None  # set by SMPStrategy.setup_environment
+            wrapped: MasterWeightOptimizer = ShardedOptimizer(
+                optimizer, loss_scaler=loss_scaler, topology=self.topology, clip_norm=self._sharded_clip_norm
+            )
+        else:
+            wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=self._norm_group())
         self._wrapped.append(wrapped)
         return wrapped
 
@@ -117,7 +128,7 @@ class SMPPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
     ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
-        if self.dtype is None:
+        if self.dtype is None and self._sharded_clip_norm is None:
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
         for config in lr_schedulers:
