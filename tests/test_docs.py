@@ -201,6 +201,7 @@ _GROUP_OF_PATH = {
     "activation_checkpointing.py": "Model creation and memory",
     "delayed_init.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
+    "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",
     "pipeline/": "Pipeline parallelism",
