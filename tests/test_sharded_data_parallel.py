@@ -2,6 +2,9 @@
 bytes of model state each rank holds, and the errors a user can cause."""
 
 import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -221,6 +224,38 @@ def test_an_sdp2_checkpoint_resumes_at_sdp2_and_on_one_device_and_consolidates(t
     model.load_state_dict(consolidated["state_dict"], strict=True)  # whole fp32 tensors, plain names
     for name, value in ranks[0]["full"]["weights"].items():
         assert torch.equal(consolidated["state_dict"][name], value), name
+
+
+# -- teardown ------------------------------------------------------------------------------------------------------
+
+_LAUNCHED_SCRIPT = textwrap.dedent(
+    """
+    import torch, lightning.pytorch as pl
+    import lightning_smp
+    from tests.models import TinyRegressor
+
+    torch.set_num_threads(1)
+    strategy = lightning_smp.SMPStrategy(fp16=True, sharded_data_parallel_degree=2, sdp_param_persistence_threshold=0)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=3, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(TinyRegressor(8, 32, 2))
+    print("rank", trainer.global_rank, "trained", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(200)
+def test_a_sharded_run_launched_by_lightning_exits_cleanly(tmp_path):
+    # FSDP2's modules and DTensors hold the groups' mesh: every rank must still free them at exit without aborting
+    script = tmp_path / "sharded_run.py"
+    script.write_text(_LAUNCHED_SCRIPT)
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    result = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "rank 0 trained" in result.stdout and "rank 1 trained" in result.stdout
+    assert "terminate called" not in result.stderr
 
 
 # -- errors ------------------------------------------------------------------------------------------------------
