@@ -61,7 +61,7 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
             continue
         if own and all(p.numel() < threshold and id(p) not in shared for p in own):
             fully_shard(module, mesh=whole, mp_policy=policy)
-        elif module in units:
+        elif module in units and any(True for _ in module.parameters()):
             fully_shard(module, mesh=sharded, mp_policy=policy)
     fully_shard(model, mesh=sharded, mp_policy=policy)
     for name, param in model.named_parameters():  # fully_shard made new parameter objects

@@ -83,13 +83,15 @@ def _state_bytes(model, optimizer) -> int:
 def _trainer(strategy_kwargs: dict, **kwargs) -> pl.Trainer:
     devices = int(os.environ["WORLD_SIZE"])
     return quiet_trainer(
-        SMPStrategy(**strategy_kwargs), devices=devices, gradient_clip_val=CLIP, limit_val_batches=0, **kwargs
+        SMPStrategy(**strategy_kwargs), devices=devices, gradient_clip_val=CLIP, num_sanity_val_steps=0, **kwargs
     )
 
 
-def _fit(model, strategy_kwargs: dict) -> dict:
+def _fit(model, strategy_kwargs: dict, *, validate: bool = False) -> dict:
     trainer = _trainer(strategy_kwargs, max_steps=STEPS)
     trainer.fit(model)
+    # trainer.validate sets the trained (sharded) model up again, for evaluation
+    val_loss = trainer.validate(model, verbose=False)[0]["val_loss"] if validate else None
     optimizer = trainer.strategy.optimizers[0]
     return {
         "losses": model.losses,
@@ -98,6 +100,8 @@ def _fit(model, strategy_kwargs: dict) -> dict:
         "scale": optimizer.loss_scale if hasattr(optimizer, "loss_scale") else None,
         "state_bytes": _state_bytes(model, optimizer),
         "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+        "val_loss": val_loss,
+        "whole": sorted(name for name, p in model.named_parameters() if _local(p).shape == p.shape),
     }
 
 
@@ -108,18 +112,25 @@ def _data_parallel_runs(rank: int) -> dict:
     runs = {}
     for name, kwargs in {"dp2": {}, "sdp2": SHARDED, "dp2_fp16": FP16, "sdp2_fp16": {**FP16, **SHARDED}}.items():
         torch.manual_seed(0)
-        runs[name] = _fit(_Regressor(batch_size=8), kwargs)
+        runs[name] = _fit(_Regressor(batch_size=8), kwargs, validate=True)
     return runs
 
 
-def _tensor_parallel_runs(rank: int) -> dict:
-    """dp2 x tp2 and sdp2 x tp2 of a tied-head GPT (fp32 and fp16), in one launch."""
+def _four_rank_runs(rank: int) -> dict:
+    """dp2 x tp2 and sdp2 x tp2 of a tied-head GPT (fp32 and fp16); dp4 and two replicas of sdp2 (HSDP) with one
+    module kept whole by the persistence threshold (fp16); in one launch."""
     torch.set_num_threads(1)
     init_gloo()
     tp = {"tensor_parallel_degree": 2}
     layouts = {"dp2tp2": tp, "sdp2tp2": {**tp, **SHARDED}, "dp2tp2_fp16": {**tp, **FP16}}
     layouts["sdp2tp2_fp16"] = {**tp, **FP16, **SHARDED}
-    return {name: _fit(_GPT(batch_size=4), kwargs) for name, kwargs in layouts.items()}
+    runs = {name: _fit(_GPT(batch_size=4), kwargs) for name, kwargs in layouts.items()}
+    # net.2 (32 x 2 + 2 elements) stays whole under a threshold of 100, net.0 (8 x 32 + 32) is sharded
+    hybrid = {**FP16, **SHARDED, "sdp_param_persistence_threshold": 100}
+    for name, kwargs in {"dp4_fp16": FP16, "hsdp_fp16": hybrid}.items():
+        torch.manual_seed(0)
+        runs[name] = _fit(_Regressor(batch_size=4), kwargs)
+    return runs
 
 
 _launched: dict[int, list[dict]] = {}
@@ -127,18 +138,21 @@ _launched: dict[int, list[dict]] = {}
 
 def _launch(world: int) -> list[dict]:
     if world not in _launched:
-        target = _data_parallel_runs if world == 2 else _tensor_parallel_runs
+        target = _data_parallel_runs if world == 2 else _four_rank_runs
         _launched[world] = run_distributed(target, world, timeout=500)
     return _launched[world]
 
 
 def _assert_same_training(ranks: list[dict], plain: str, sharded: str, *, fp16: bool) -> None:
+    rel = FP16_REL if fp16 else FP32_REL
     reference = mean_losses([rank[plain] for rank in ranks])
     losses = mean_losses([rank[sharded] for rank in ranks])
     assert len(losses) == STEPS >= 10
-    assert losses == pytest.approx(reference, rel=FP16_REL if fp16 else FP32_REL)
+    assert losses == pytest.approx(reference, rel=rel)
     for rank in ranks:
         assert rank[sharded]["sharded"] and not rank[plain]["sharded"]
+        if rank[plain]["val_loss"] is not None:  # trainer.validate after fit: the sharded model set up again
+            assert rank[sharded]["val_loss"] == pytest.approx(rank[plain]["val_loss"], rel=rel)
         if fp16:
             assert_same_overflow(rank[sharded], rank[plain])
             assert rank[sharded]["norms"] == pytest.approx(rank[plain]["norms"], rel=FP16_REL)
@@ -161,6 +175,13 @@ def test_sdp2_holds_about_half_the_model_states_of_dp2():
     for rank in _launch(2):
         assert rank["sdp2"]["state_bytes"] <= 0.55 * rank["dp2"]["state_bytes"]
         assert rank["sdp2_fp16"]["state_bytes"] <= 0.55 * rank["dp2_fp16"]["state_bytes"]
+
+
+@pytest.mark.timeout(600)
+def test_two_replicas_of_sdp2_keep_small_modules_whole_and_match_dp4():
+    ranks = _launch(4)
+    _assert_same_training(ranks, "dp4_fp16", "hsdp_fp16", fp16=True)
+    assert all(rank["hsdp_fp16"]["whole"] == ["net.2.bias", "net.2.weight"] for rank in ranks)
 
 
 @pytest.mark.timeout(600)
