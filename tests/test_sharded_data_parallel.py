@@ -106,11 +106,13 @@ def _fit(model, strategy_kwargs: dict, *, validate: bool = False) -> dict:
 
 
 def _data_parallel_runs(rank: int) -> dict:
-    """dp2 and sdp2, fp32 and fp16, in one launch (the Trainers share the default group)."""
+    """dp2 and sdp2, fp32, fp16 and bf16, in one launch (the Trainers share the default group)."""
     torch.set_num_threads(1)
     init_gloo()
     runs = {}
-    for name, kwargs in {"dp2": {}, "sdp2": SHARDED, "dp2_fp16": FP16, "sdp2_fp16": {**FP16, **SHARDED}}.items():
+    layouts = {"dp2": {}, "sdp2": SHARDED, "dp2_fp16": FP16, "sdp2_fp16": {**FP16, **SHARDED}}
+    layouts |= {"dp2_bf16": {"bf16": True}, "sdp2_bf16": {"bf16": True, **SHARDED}}
+    for name, kwargs in layouts.items():
         torch.manual_seed(0)
         runs[name] = _fit(_Regressor(batch_size=8), kwargs, validate=True)
     return runs
@@ -168,6 +170,16 @@ def test_sdp2_fp32_matches_dp2():
 @pytest.mark.timeout(600)
 def test_sdp2_fp16_matches_dp2_with_the_same_skipped_steps_and_clip_norms():
     _assert_same_training(_launch(2), "dp2_fp16", "sdp2_fp16", fp16=True)
+
+
+@pytest.mark.timeout(600)
+def test_sdp2_bf16_matches_dp2_bf16():
+    ranks = _launch(2)
+    # bf16 keeps 8 mantissa bits, and dp2 all-reduces bf16 gradients where sdp2 reduces in fp32
+    assert mean_losses([r["sdp2_bf16"] for r in ranks]) == pytest.approx(
+        mean_losses([r["dp2_bf16"] for r in ranks]), rel=5e-2
+    )
+    assert all(rank["sdp2_bf16"]["skipped"] == 0 for rank in ranks)
 
 
 @pytest.mark.timeout(600)
