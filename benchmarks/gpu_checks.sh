@@ -4,7 +4,7 @@
 #   gpu_checks.log          this script's whole output
 #   bench.log               the benchmark runs' output
 #   precision_124m.json     precision_350m.json     sync_progress_bar.json     profile_124m.json (top kernels)
-#   activation_memory_124m.json (activation checkpointing: peak memory and step time)
+#   activation_memory_124m.json (activation checkpointing, plain and offloaded: peak memory and step time)
 # Budget: about 7 minutes on an H200; each mode's time is printed as it ends. Each benchmark writes its JSON after
 # every mode, so a run cut short still leaves the modes it finished.
 # Without CUDA (here, to test this script's logic) it runs the tiny model for a few steps instead:
@@ -69,9 +69,10 @@ if [ $CUDA -eq 1 ]; then
     # Where smp_fp16's eager step still loses to the pure-fp16 ceiling: the top kernels of each, per step.
     bench profile_124m 120 --size 124m --batch-size 16 --steps 5 --warmup 20 --sync-check-steps 0 \
         --profile-steps 3 --modes smp_fp16,16-true,16-mixed --out "$OUT/profile_124m.json"
-    # What activation checkpointing saves on GPT-2 124M (fp16, max_memory_allocated) and costs per step.
+    # What activation checkpointing (and offloading its inputs) saves on GPT-2 124M (fp16, max_memory_allocated)
+    # and costs per step.
     echo "== activation memory 124m (t=$(elapsed)s)" | tee -a "$OUT/bench.log"
-    timeout 120 $PY benchmarks/activation_memory.py --layers 12 --heads 12 --width 768 --block 1024 --batch 16 \
+    timeout 180 $PY benchmarks/activation_memory.py --layers 12 --heads 12 --width 768 --block 1024 --batch 16 \
         --vocab 50304 --steps 10 --out "$OUT/activation_memory_124m.json" 2>&1 | tee -a "$OUT/bench.log" || STATUS=1
     budget=$((END_S - $(elapsed) - 80)) # keep ~80 s for the mode that starts last (a 350m compile)
     bench 350m $((END_S + 120 - $(elapsed))) --size 350m --batch-size 16 --steps 20 --warmup 20 \

@@ -72,7 +72,7 @@ class _Gpt(pl.LightningModule):
 
 def _masters(optimizer: torch.optim.Optimizer) -> dict[int, Tensor]:
     """Model parameter id -> the fp32 tensor the inner optimizer updates for it."""
-    pairs = getattr(optimizer, "param_master_pairs", None)
+    pairs = getattr(optimizer, "whole_masters", None)
     if pairs is not None:
         return {id(param): master for param, master in pairs()}
     return {

@@ -45,7 +45,17 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_smp
 from lightning_smp import smp
 
-__all__ = ["TARGET_VAL_LOSS", "VOCAB_SIZE", "GPTCharLM", "StdlibCharData", "main", "make_strategy", "stdlib_sources"]
+__all__ = [
+    "TARGET_VAL_LOSS",
+    "VOCAB_SIZE",
+    "GPTCharLM",
+    "StdlibCharData",
+    "main",
+    "make_strategy",
+    "parse_args",
+    "stdlib_sources",
+    "train",
+]
 
 TARGET_VAL_LOSS = 2.2
 VOCAB_SIZE = 128  # ASCII
@@ -221,8 +231,8 @@ class GPTCharLM(L.LightningModule):
         )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
     parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_degree")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree")
     parser.add_argument("--microbatches", type=int, default=1, help="microbatches per batch (pipelining)")
@@ -256,9 +266,8 @@ def make_strategy(args: argparse.Namespace) -> lightning_smp.SMPStrategy:
     )
 
 
-def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Train and validate; return the final metrics (``val_loss``, ``train_loss``, ...) as floats."""
-    args = parse_args(argv)
+def train(args: argparse.Namespace, model: L.LightningModule, target: float) -> dict[str, float]:
+    """Fit ``model`` on `StdlibCharData` as the flags say; return the final metrics (``val_loss``, ...) as floats."""
     warnings.filterwarnings("ignore", ".*does not have many workers.*")  # the corpus is one in-memory tensor
     warnings.filterwarnings("ignore", ".*enable_nested_tensor is True.*")  # torch's hint for post-norm layers
     L.seed_everything(args.seed, verbose=False)
@@ -274,12 +283,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         enable_checkpointing=False,
         enable_model_summary=False,
     )
-    data = StdlibCharData(batch_size=args.batch_size, num_files=args.num_files)
-    trainer.fit(GPTCharLM(n_layer=args.layers, activation_checkpointing=args.activation_checkpointing), datamodule=data)
+    trainer.fit(model, datamodule=StdlibCharData(batch_size=args.batch_size, num_files=args.num_files))
     metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
     if trainer.is_global_zero:
-        print(f"final val_loss={metrics['val_loss']:.4f} nats/char (target <= {TARGET_VAL_LOSS})")
+        print(f"final val_loss={metrics['val_loss']:.4f} nats/char (target <= {target})")
     return metrics
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Train and validate; return the final metrics (``val_loss``, ``train_loss``, ...) as floats."""
+    args = parse_args(argv)
+    model = GPTCharLM(n_layer=args.layers, activation_checkpointing=args.activation_checkpointing)
+    return train(args, model, TARGET_VAL_LOSS)
 
 
 if __name__ == "__main__":

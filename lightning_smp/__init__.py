@@ -8,6 +8,7 @@ from lightning_smp import smp
 from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict
 from lightning_smp.config import SMPConfig
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
+from lightning_smp.memory import estimate_memory, fitting_layouts
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.strategy import SMPStrategy, register_strategies
@@ -23,6 +24,8 @@ __all__ = [
     "StaticLossScaler",
     "consolidate_checkpoint",
     "consolidated_state_dict",
+    "estimate_memory",
+    "fitting_layouts",
     "smp",
 ]
 

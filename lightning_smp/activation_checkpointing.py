@@ -5,7 +5,8 @@ rebuild the activations its gradients need: compute traded for memory, the usual
 ``torch.utils.checkpoint`` in its non-reentrant form, which takes keyword and nested arguments as they are (smp's
 ``pack_args_as_tuple`` is accepted and not needed). The recomputation draws the same random numbers as the
 forward did: from the default generators (``preserve_rng_state``) and from the tensor-parallel dropout stream,
-which ``torch.utils.checkpoint`` does not know about.
+which ``torch.utils.checkpoint`` does not know about. With ``offload_activations`` the inputs a checkpointed forward
+keeps wait in host memory until its backward (`activation_offloading`).
 
 `set_activation_checkpointing` only marks a module (call it in ``__init__`` or ``configure_model``); `apply` wraps
 the marked modules' forwards at setup, after tensor parallelism has converted its layers (it swaps their class in
@@ -28,6 +29,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.tensor_parallel.base import TensorParallelModule
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 
@@ -75,12 +77,22 @@ def set_activation_checkpointing(
     object.__setattr__(module, _REQUEST, request)
 
 
-def apply(model: nn.Module, *, pipelined_trunk: nn.Module | None = None) -> None:
+def apply(
+    model: nn.Module, *, pipelined_trunk: nn.Module | None = None, offloader: ActivationOffloader | None = None
+) -> None:
     """Wrap the forward of every module of ``model`` marked by `set_activation_checkpointing` (once each).
 
     ``pipelined_trunk`` is the container the pipeline will split: its children are checkpointed one by one, as
-    each stage runs only its own.
+    each stage runs only its own. ``offloader`` (``offload_activations``) keeps the checkpointed modules' inputs
+    in host memory between their forward and their backward.
     """
+    if offloader is not None and not any(_REQUEST in module.__dict__ for module in model.modules()):
+        raise ValueError(
+            "offload_activations=True moves the inputs that checkpointed modules keep for their backward to host "
+            f"memory, but no module of {type(model).__name__} is marked for activation checkpointing, so there "
+            "is nothing to offload. Mark the layers with smp.set_activation_checkpointing(layer) in the "
+            "LightningModule's __init__ or configure_model, or set offload_activations=False."
+        )
     _set_up.update(model.modules())
     for name, module in model.named_modules():
         request = module.__dict__.get(_REQUEST)
@@ -88,7 +100,7 @@ def apply(model: nn.Module, *, pipelined_trunk: nn.Module | None = None) -> None
             continue
         request.applied = True
         if not isinstance(module, nn.Sequential | nn.ModuleList):
-            _checkpoint_forward(module, request)
+            _checkpoint_forward(module, request, offloader)
             continue
         if request.group_size != 1 and (module is pipelined_trunk or isinstance(module, nn.ModuleList)):
             why = "the pipelined trunk" if module is pipelined_trunk else "an nn.ModuleList, which has no forward"
@@ -101,9 +113,9 @@ def apply(model: nn.Module, *, pipelined_trunk: nn.Module | None = None) -> None
             request.group_size = 1
         if request.group_size == 1:
             for child in module.children():
-                _checkpoint_forward(child, request)
+                _checkpoint_forward(child, request, offloader)
         else:
-            _checkpoint_groups(module, request)
+            _checkpoint_groups(module, request, offloader)
 
 
 def _group_size(strategy: str) -> int | None:
@@ -121,16 +133,19 @@ def _group_size(strategy: str) -> int | None:
     return int(match[1])
 
 
-def _checkpoint_forward(module: nn.Module, request: _Request) -> None:
-    module.forward = _Checkpointed(module.forward, request.preserve_rng_state, _tensor_parallel_streams(module))
+def _checkpoint_forward(module: nn.Module, request: _Request, offloader: ActivationOffloader | None) -> None:
+    streams = _tensor_parallel_streams(module)
+    module.forward = _Checkpointed(module.forward, request.preserve_rng_state, streams, offloader)
 
 
-def _checkpoint_groups(sequential: nn.Sequential, request: _Request) -> None:
+def _checkpoint_groups(sequential: nn.Sequential, request: _Request, offloader: ActivationOffloader | None) -> None:
     children = list(sequential)
     size = request.group_size or len(children)
     streams = _tensor_parallel_streams(sequential)
     runs = [
-        _Checkpointed(partial(_run_in_order, children[start : start + size]), request.preserve_rng_state, streams)
+        _Checkpointed(
+            partial(_run_in_order, children[start : start + size]), request.preserve_rng_state, streams, offloader
+        )
         for start in range(0, len(children), size)
     ]
     sequential.forward = partial(_run_in_order, runs)
@@ -154,22 +169,32 @@ def _tensor_parallel_streams(module: nn.Module) -> list[TensorParallelRNG]:
 class _Checkpointed:
     """A forward run under ``torch.utils.checkpoint`` while autograd records; as it is otherwise (evaluation)."""
 
-    def __init__(self, forward: Callable[..., Any], preserve_rng_state: bool, streams: list[TensorParallelRNG]):
+    def __init__(
+        self,
+        forward: Callable[..., Any],
+        preserve_rng_state: bool,
+        streams: list[TensorParallelRNG],
+        offloader: ActivationOffloader | None,
+    ):
         self._forward = forward
         self._preserve_rng_state = preserve_rng_state
         self._streams = streams
+        self._offloader = offloader
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return self._forward(*args, **kwargs)
-        return checkpoint(
-            self._forward,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=self._preserve_rng_state,
-            context_fn=self._contexts,
-            **kwargs,
-        )
+        # The checkpoint saves its positional tensor arguments through the offloader's hooks; tensors passed by
+        # keyword or inside containers stay where they are (torch.utils.checkpoint holds those itself).
+        with self._offloader.offloading() if self._offloader is not None else nullcontext():
+            return checkpoint(
+                self._forward,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=self._preserve_rng_state,
+                context_fn=self._contexts,
+                **kwargs,
+            )
 
     def _contexts(self) -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
         """Called at the forward: nothing around it; the recomputation replays the tensor-parallel streams."""

@@ -8,30 +8,121 @@ LightningModule and LightningDataModule are given by class path; the current dir
 
     lightning-smp fit --config examples/configs/dp.yaml
     python -m lightning_smp fit --config examples/configs/dp.yaml --trainer.max_steps 10
+
+One subcommand is its own: ``estimate`` builds the config's LightningModule on the meta device (no memory, no
+processes) and prints what each rank of the configured layout would hold (`lightning_smp.memory`), and with
+``--devices`` the layouts that fit a device:
+
+    lightning-smp estimate --config examples/configs/pp_tp_dp.yaml --device-memory 40GiB --devices 8
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
+import dataclasses
 import os
 import sys
+import warnings
+from collections.abc import Sequence
 from typing import Any
 
+import lightning.pytorch as pl
+import torch
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-import lightning_smp  # noqa: F401  (registers the strategy names)
+import lightning_smp  # (registers the strategy names)
+from lightning_smp import memory, smp
+from lightning_smp.config import SMPConfig
 
-__all__ = ["main", "make_cli"]
+__all__ = ["estimate", "main", "make_cli"]
 
 _DESCRIPTION = (
     "Train any LightningModule with SageMaker-model-parallel-style strategies: Lightning's CLI with lightning_smp "
     "imported (strategy names smp, smp_fp16, smp_bf16, ... and class_path: lightning_smp.SMPStrategy) and "
-    "trainer.strategy defaulting to 'smp'."
+    "trainer.strategy defaulting to 'smp'. `lightning-smp estimate --config job.yaml` prints the memory each rank "
+    "would hold (see `lightning-smp estimate --help`)."
 )
 
 
 def main(args: ArgsType = None) -> None:
     """The ``lightning-smp`` command; ``args`` replaces ``sys.argv[1:]``."""
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv[:1] == ["estimate"]:
+        estimate(argv[1:])
+        return
     make_cli(args)
+
+
+def estimate(args: Sequence[str]) -> None:
+    """``lightning-smp estimate``: the per-rank memory of the job a LightningCLI config describes."""
+    parser = argparse.ArgumentParser(
+        prog=f"{_prog()} estimate",
+        description="Build the config's LightningModule on the meta device (configure_model included) and print the "
+        "bytes each rank of its SMPStrategy layout would hold: parameters, gradients, fp32 masters, optimizer state "
+        "and, for transformer layers, activations. Nothing is allocated and no process is started.",
+    )
+    parser.add_argument("--config", required=True, help="a LightningCLI config (model, trainer.strategy, devices)")
+    parser.add_argument("--device-memory", help="memory of one device, e.g. 40GiB, 80GB, 141G: says whether it fits")
+    parser.add_argument("--devices", type=int, help="also list the pp x tp x dp layouts of this many devices that fit")
+    parser.add_argument("--micro-batch-size", type=int, help="samples per microbatch, for the activation estimate")
+    parser.add_argument("--sequence-length", type=int, help="tokens per sample, for the activation estimate")
+    options = parser.parse_args(list(args))
+    if options.devices is not None and options.device_memory is None:
+        parser.error("--devices lists the layouts that fit a device: give --device-memory too")
+    if options.device_memory is not None:
+        try:
+            options.device_memory = memory.parse_bytes(options.device_memory)
+        except ValueError as err:
+            parser.error(str(err))
+    with torch.device("meta"), warnings.catch_warnings():  # a module building layers in __init__ allocates nothing
+        warnings.filterwarnings("ignore", message=".*provide both args and command line arguments")  # args are ours
+        cli = make_cli(["--config", options.config], run=False)
+    strategy = cli.trainer.strategy
+    if not isinstance(strategy, lightning_smp.SMPStrategy):
+        parser.error(
+            f"the config's trainer.strategy is {type(strategy).__name__}; estimate plans SMPStrategy layouts: set "
+            "trainer.strategy to smp, smp_fp16, smp_bf16 or class_path: lightning_smp.SMPStrategy."
+        )
+    config = strategy.config
+    world_size = cli.trainer.num_devices * cli.trainer.num_nodes
+    blueprint = copy.deepcopy(cli.model)  # before configure_model: rebuilt per tensor-parallel degree below
+    activations = {"micro_batch_size": options.micro_batch_size, "sequence_length": options.sequence_length}
+    model = _build_on_meta(cli.model, config, world_size)
+    print(
+        memory.estimate_memory(
+            model, config=config, world_size=world_size, device_memory=options.device_memory, **activations
+        )
+    )
+    if options.devices is not None:
+        _print_fitting_layouts(blueprint, config, options, activations)
+
+
+def _print_fitting_layouts(
+    blueprint: pl.LightningModule, config: SMPConfig, options: argparse.Namespace, activations: dict[str, Any]
+) -> None:
+    """The layouts of ``options.devices`` devices that fit, each tensor-parallel degree built from ``blueprint``."""
+
+    def build(tp: int) -> pl.LightningModule:
+        layout = dataclasses.replace(config, tensor_parallel_degree=tp, pipeline_parallel_degree=1, partition=None)
+        return _build_on_meta(copy.deepcopy(blueprint), layout, tp)
+
+    fitting = memory.fitting_layouts(
+        build, devices=options.devices, device_memory=options.device_memory, config=config, **activations
+    )
+    size = memory.format_bytes(options.device_memory)
+    if not fitting:
+        print(f"\nNo pp x tp x dp layout of {options.devices} device(s) fits {size} per device.")
+        return
+    print(f"\nLayouts of {options.devices} device(s) that fit {size} per device, smallest model-parallel degree first:")
+    print(memory.layouts_table(fitting))
+
+
+def _build_on_meta(module: pl.LightningModule, config: SMPConfig, world_size: int) -> pl.LightningModule:
+    """Run ``configure_model`` on the meta device, with the smp facade answering for ``config``'s layout."""
+    with smp.preview(config, world_size=world_size), torch.device("meta"):
+        module.configure_model()
+    return module
 
 
 def make_cli(args: ArgsType = None, *, run: bool = True, **cli_kwargs: Any) -> LightningCLI:

@@ -42,12 +42,31 @@ _OWN_FIELDS = frozenset(
         "tensor_parallel_plan",
     }
 )
-TENSOR_PARALLEL_STYLES = ("colwise", "rowwise", "vocab", "auto", "replicate")
-"""Styles of a ``tensor_parallel_plan`` entry: "colwise" (an nn.Linear split by output features; its output stays
-split), "rowwise" (an nn.Linear split by input features; takes a split input, e.g. a "colwise" output, and
-returns the whole output), "vocab" (an nn.Embedding split along the vocabulary), "auto" (a layer lightning_smp
-splits by itself: nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding),
-"replicate" (keep the module and everything in it whole)."""
+TENSOR_PARALLEL_STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather_output",
+    "colwise_rep",
+    "rowwise_split_input",
+    "rowwise_rep",
+    "packed_colwise",
+    "embedding_rowwise",
+    "vocab",
+    "replicated_with_grad_allreduce",
+    "auto",
+    "replicate",
+)
+"""Styles of a ``tensor_parallel_plan`` entry, named as Hugging Face transformers names them where they mean the
+same: "colwise" (an nn.Linear split by output features; its output stays split), "rowwise" (an nn.Linear split by
+input features; takes a split input, e.g. a "colwise" output, and returns the whole output), "colwise_gather_output"
+(= "colwise_rep": "colwise" with the output all-gathered, e.g. a language-model head), "rowwise_split_input"
+(= "rowwise_rep": "rowwise" that splits a whole input itself), "packed_colwise" (an nn.Linear holding two weights
+packed along its output, such as a fused [gate; up] projection: each rank keeps its part of each), "embedding_rowwise"
+(= "vocab": an nn.Embedding split along the vocabulary), "replicated_with_grad_allreduce" (any module kept whole
+whose parameter gradients are summed over the tensor-parallel ranks, e.g. a per-head norm between a "colwise" and a
+"rowwise" layer), "auto" (a layer lightning_smp splits by itself: nn.TransformerEncoderLayer,
+nn.TransformerDecoderLayer, nn.MultiheadAttention, nn.Embedding, GPT-2's attention), "replicate" (keep the module and
+everything in it whole)."""
 
 # smp settings that lightning_smp accepts but that change nothing yet: field -> why. When a feature lands,
 # delete its line here; `SMPConfig.inactive_settings` reads only this table.
@@ -59,16 +78,12 @@ _INACTIVE_SETTINGS: dict[str, str] = {
     "contiguous": "it is a TensorFlow-only smp setting",
     "deterministic_server": "there is no execution server; every rank runs the same fixed pipeline schedule",
     "skip_tracing": "lightning_smp never traces the model",
-    "offload_activations": "activation offloading is not implemented",
-    "activation_loading_horizon": "activation offloading is not implemented",
-    "shard_optimizer_state": "optimizer state sharding is not implemented",
     "sdp_reduce_bucket_size": "FSDP2, which runs sharded data parallelism, reduce-scatters one module's "
     "gradients at a time and has no bucket size",
     "sdp_max_live_parameters": "FSDP2, which runs sharded data parallelism, gathers one module's parameters at a "
     "time (and prefetches the next) and has no limit on live parameters",
     "sdp_hierarchical_allgather": "FSDP2, which runs sharded data parallelism, all-gathers over one shard group; "
     "keep a shard group inside a node (sharded_data_parallel_degree <= devices per node) for the same effect",
-    "delayed_parameter_initialization": "parameters are initialised when the module is built",
     "fp16_params": "smp deprecated it in favour of fp16; set fp16=True",
     "optimize": "tensor-parallel layers have a single implementation",
 }
@@ -79,7 +94,7 @@ _INT_MINIMUMS: dict[str, tuple[int, str]] = {
     "pipeline_parallel_degree": (1, "the number of pipeline stages; 1 means no pipelining"),
     "tensor_parallel_degree": (1, "the number of ranks each tensor-parallel layer is split over"),
     "microbatches": (1, "the number of pieces each batch is split into; 1 means no pipelining"),
-    "activation_loading_horizon": (0, "how many offloaded activations may wait on the GPU"),
+    "activation_loading_horizon": (0, "how many checkpointed modules' offloaded inputs are loaded back ahead"),
     "sharded_data_parallel_degree": (1, "1 means no sharded data parallelism"),
     "tensor_parallel_seed": (0, "the seed of random ops inside tensor-parallel layers"),
     "sdp_reduce_bucket_size": (1, "elements per gradient bucket"),
@@ -157,9 +172,12 @@ class SMPConfig:
     deterministic_server: bool = False
     """smp: make the pipeline execution server run requests in the same order on every data-parallel rank."""
     offload_activations: bool = False
-    """smp: move checkpointed activations to CPU memory during forward, back for backward."""
+    """smp: keep the inputs that checkpointed modules save for their backward in host memory (pinned on a GPU)
+    from the end of their forward until their backward loads them back. Needs modules marked with
+    smp.set_activation_checkpointing; unlike smp, also with microbatches=1."""
     activation_loading_horizon: int = 4
-    """smp: how many offloaded activations may be back on the GPU awaiting their backward."""
+    """smp: with offload_activations, how many checkpointed modules' inputs are loaded back onto the device
+    ahead of their backward (0: each when its backward starts)."""
     fp16: bool = False
     """Train with fp16 parameters, fp32 master weights in the optimizer and loss scaling."""
     bf16: bool = False
@@ -167,7 +185,10 @@ class SMPConfig:
     fp16_params: bool = False
     """smp (deprecated in favour of fp16): create distributed modules' parameters in fp16."""
     shard_optimizer_state: bool = False
-    """smp: shard optimizer state over the data-parallel ranks that hold the same parameters."""
+    """smp: shard the fp32 master weights and the optimizer state over the data-parallel replicas (ZeRO-1): each
+    replica keeps and updates a contiguous 1/dp share, gradients are reduce-scattered instead of all-reduced and the
+    updated parameters all-gathered. Works with fp16, bf16 and fp32, tensor and pipeline parallelism; checkpoints
+    store the state by parameter name, so they resume at any dp degree, sharded or not."""
     sharded_data_parallel_degree: int = 1
     """smp: number of data-parallel ranks each parameter, its gradient and its optimizer state are sharded over
     (ZeRO-3; smp ran DeepSpeed's MiCS, lightning_smp runs PyTorch's FSDP2 ``fully_shard``); 1 turns it off. It
@@ -195,7 +216,9 @@ class SMPConfig:
     prescaled_batch: bool = False
     """The ranks of one tensor-parallel group receive the same batch (used by the vocab-parallel LM head)."""
     delayed_parameter_initialization: bool = False
-    """smp: create parameters only once their shard and device are known, to save CPU memory."""
+    """smp: build the model in ``configure_model`` on the meta device and materialise at setup only what each
+    rank keeps (its pipeline stage, its tensor-parallel shards), with the values a single-device build with the
+    same seed gives; no rank ever holds the whole model. ``trainer.init_module(empty_init=True)`` does the same."""
     skip_tracing: bool = False
     """smp: skip the tracing pass that measures module costs before partitioning."""
     tensor_parallel_seed: int = 0
@@ -225,9 +248,13 @@ class SMPConfig:
     multiple of pipeline_parallel_degree; ``partition`` then gives one size per chunk."""
     tensor_parallel_plan: Mapping[str, str] | None = None
     """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
-    one component) mapped to a style of ``TENSOR_PARALLEL_STYLES``, for example
+    one component) mapped to a style: colwise, rowwise, colwise_gather_output (= colwise_rep), rowwise_split_input
+    (= rowwise_rep), packed_colwise, embedding_rowwise (= vocab), replicated_with_grad_allreduce, auto or replicate
+    (Hugging Face transformers' names; docs/concepts.md, "Plan styles", says what each does), for example
     ``{"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}``; stored read-only. Applies on top of
-    ``smp.tensor_parallelism()``; a pattern that matches no module raises when training starts."""
+    ``smp.tensor_parallelism()`` and of the plan of a Hugging Face transformers model created tensor-parallel
+    (``model.tp_plan``), whose entries for the same modules it overrides; a pattern that matches no module raises
+    when training starts."""
 
     def __post_init__(self) -> None:
         # With `from __future__ import annotations` field types are strings, hence "bool".

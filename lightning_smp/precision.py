@@ -23,7 +23,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler, clip_grad_norm_counted
+from lightning_smp.grad_vote import GradientVote, clip_grad_norm_counted
+from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
 from lightning_smp.sharded_data_parallel import ShardedOptimizer
 
 if TYPE_CHECKING:
@@ -44,6 +45,9 @@ class SMPPrecision(Precision):
         static_loss_scale: fp16 with ``dynamic_loss_scale=False``: the fixed scale.
         dynamic_loss_args: fp16 dynamic scaling: smp's ``dynamic_loss_args`` (``init_scale``, ``scale_factor``,
             ``scale_window``, ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``).
+        shard_optimizer_state: shard the fp32 masters and the optimizer state over the data-parallel replicas
+            (ZeRO-1; in fp32 too, where the optimizer is then wrapped as well). The strategy must not all-reduce
+            the gradients over the replicas: the optimizer reduce-scatters them.
         sharded_clip_norm: set under sharded data parallelism (FSDP2): the module stays fp32 (FSDP2 casts for
             compute) and every optimizer, fp32 ones too, becomes a `ShardedOptimizer` that clips to this norm.
     """
@@ -55,6 +59,7 @@ class SMPPrecision(Precision):
         dynamic_loss_scale: bool = True,
         static_loss_scale: float = 1.0,
         dynamic_loss_args: dict[str, Any] | None = None,
+        shard_optimizer_state: bool = False,
         sharded_clip_norm: float | None = None,
     ) -> None:
         if dtype not in _PRECISION_NAMES:
@@ -66,6 +71,7 @@ class SMPPrecision(Precision):
         self._dynamic_loss_scale = dynamic_loss_scale
         self._static_loss_scale = static_loss_scale
         self._dynamic_loss_args = dict(dynamic_loss_args or {})
+        self._shard_optimizer_state = shard_optimizer_state
         self._sharded_clip_norm = sharded_clip_norm
         self.topology: Topology | None = None  # set by SMPStrategy before `connect`
         self._wrapped: list[MasterWeightOptimizer] = []
@@ -105,8 +111,11 @@ class SMPPrecision(Precision):
         ``scaler_settings`` (``dynamic_loss_scale``, ``static_loss_scale``, ``dynamic_loss_args``) override the
         plugin's, as ``smp.DistributedOptimizer`` passes them.
         """
-        if self.dtype is None and self._sharded_clip_norm is None:
-            raise ValueError("fp32 training has no master weights; use fp16=True or bf16=True to wrap optimizers.")
+        if self.dtype is None and not self._shards() and self._sharded_clip_norm is None:
+            raise ValueError(
+                "fp32 training has no master weights; use fp16=True or bf16=True (or shard_optimizer_state=True with "
+                "more than one data-parallel replica) to wrap optimizers."
+            )
         loss_scaler = None
         if self.dtype == torch.float16:
             loss_scaler = build_loss_scaler(
@@ -120,7 +129,10 @@ class SMPPrecision(Precision):
                 optimizer, loss_scaler=loss_scaler, topology=self.topology, clip_norm=self._sharded_clip_norm
             )
         else:
-            wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, norm_group=self._norm_group())
+            shards = self._shards()
+            vote = GradientVote.for_run(self.topology, sharded_over_dp=shards)
+            shard_group = self.topology.group("dp") if shards and self.topology is not None else None
+            wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, vote=vote, shard_group=shard_group)
         self._wrapped.append(wrapped)
         return wrapped
 
@@ -128,7 +140,7 @@ class SMPPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
     ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
-        if self.dtype is None and self._sharded_clip_norm is None:
+        if self.dtype is None and not self._shards() and self._sharded_clip_norm is None:
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
         for config in lr_schedulers:
@@ -201,6 +213,10 @@ class SMPPrecision(Precision):
     def teardown(self) -> None:
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
+
+    def _shards(self) -> bool:
+        """Whether optimizers shard their masters and state: asked for, and more than one replica to shard over."""
+        return self._shard_optimizer_state and self.topology is not None and self.topology.size("dp") > 1
 
     def _norm_group(self) -> torch.distributed.ProcessGroup | None:
         """The ranks whose grads make up one global norm: the model-parallel group (pp × tp), when there is one."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import LossScaler
-from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
 from lightning_smp.pipeline.partition import find_trunk
 from lightning_smp.placement import placement_of, set_placement
 
@@ -165,9 +165,6 @@ class ShardedOptimizer(MasterWeightOptimizer):
         """The sharded fp32 parameters: they are the masters."""
         return list(self._params)
 
-    def param_master_pairs(self) -> list[tuple[Tensor, Tensor]]:
-        return [(p, p) for p in self._params]
-
     # -- one update ---------------------------------------------------------------------------------------------
 
     def note_backward(self) -> None:
@@ -238,7 +235,27 @@ class ShardedOptimizer(MasterWeightOptimizer):
             "overflow bookkeeping is built at setup). Create every param group in `configure_optimizers`."
         )
 
-    # -- checkpoints --------------------------------------------------------------------------------------------
+    # -- checkpoints: by model parameter (DCP reads and writes the DTensor shards as chunks of the whole tensor) -----
+
+    def model_params(self) -> list[Tensor]:
+        return list(self._params)
+
+    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """Each parameter with itself: the sharded DTensor is the master, and DCP saves it as the whole tensor."""
+        return [(p, p) for p in self._params]
+
+    @torch.no_grad()
+    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
+        for param in self._params:
+            value = values.get(id(param))
+            if value is not None and value is not param:  # a checkpoint loads into the DTensor in place
+                param.copy_(value)
+
+    def state_by_param(self) -> list[tuple[Tensor, dict[str, Any]]]:
+        return [(p, self._inner.state[p]) for p in self._params if self._inner.state.get(p)]
+
+    def load_state_by_param(self, states: dict[int, dict[str, Any]], param_groups: Sequence[dict[str, Any]]) -> None:
+        load_state_by_tensor(self._inner, states, param_groups)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state (over the shards) and the loss scaler; the masters are the parameters."""

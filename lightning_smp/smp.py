@@ -31,6 +31,7 @@ from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
 from lightning_smp.tensor_parallel import nn
 from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
+from lightning_smp.topology import rank_groups
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -72,6 +73,7 @@ __all__ = [
     "pp_barrier",
     "pp_rank",
     "pp_size",
+    "preview",
     "rank",
     "rdp_barrier",
     "rdp_rank",
@@ -170,6 +172,32 @@ def end_run() -> None:
     optimizers."""
     global _record
     _record = RunRecord(config=_record.config, ranks=_record.ranks, sizes=_record.sizes)
+
+
+@contextmanager
+def preview(config: SMPConfig, *, world_size: int) -> Generator[None, None, None]:
+    """Answer as rank 0 of a job of ``config`` over ``world_size`` processes (one node) without starting one: every
+    rank and size, and ``smp.state.cfg``; collectives and checkpoint helpers raise as outside a run. The memory
+    planner's command (``lightning-smp estimate``) builds a LightningModule's ``configure_model`` under it, so that
+    ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` builds the model of the planned layout."""
+    global _record
+    if _record.running:
+        raise RuntimeError("smp.preview() inside a running SMPStrategy: the run already answers; remove the preview.")
+    dp = config.data_parallel_degree(world_size)
+    layout = rank_groups(
+        config.placement_order, dp=dp, pp=config.pipeline_parallel_degree, tp=config.tensor_parallel_degree
+    )
+    groups = {axis: next(group for group in layout[ours] if 0 in group) for axis, ours in _AXES.items()}
+    previous = _record
+    _record = RunRecord(
+        config=config,
+        ranks=MappingProxyType({**{axis: group.index(0) for axis, group in groups.items()}, "local": 0}),
+        sizes=MappingProxyType({**{axis: len(group) for axis, group in groups.items()}, "local": world_size}),
+    )
+    try:
+        yield
+    finally:
+        _record = previous
 
 
 def _running(caller: str, instead: str) -> RunRecord:

@@ -8,8 +8,8 @@ and settles the stages at the end of each loop; it owns the precision plugin (Li
 it, see reference/lightning-2.6.md), samples data by data-parallel rank, reduces logged values over the replicas,
 saves and loads sharded checkpoints (`checkpoint`), ends every rank on a failure and frees the process groups at
 exit after a success (`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
-backward-overlapped gradient all-reduce are DDP's; with one replica, or under pipeline parallelism (whose engine
-all-reduces itself), it skips the DDP wrapper.
+backward-overlapped gradient all-reduce are DDP's; with one replica, under pipeline parallelism (whose engine
+all-reduces itself) or with sharded optimizer state (whose optimizer reduce-scatters), it skips the DDP wrapper.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ from lightning_smp import activation_checkpointing, fault_tolerance, sharded_dat
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
+from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.config import SMPConfig
+from lightning_smp.delayed_init import deferred_init
+from lightning_smp.materialization import has_meta_tensors, materialize_kept
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine, build_engine
 from lightning_smp.pipeline.partition import find_trunk
@@ -183,6 +186,7 @@ class SMPStrategy(DDPStrategy):
                 dynamic_loss_scale=self._config.dynamic_loss_scale,
                 static_loss_scale=self._config.static_loss_scale,
                 dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
+                shard_optimizer_state=self._config.shard_optimizer_state,
                 sharded_clip_norm=self._config.sdp_gradient_clipping if self._sharded else None,
             )
         return self._precision_plugin
@@ -235,10 +239,25 @@ class SMPStrategy(DDPStrategy):
         self.failed = False
         fault_tolerance.close_process_groups_at_exit(self)
 
+    @contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``configure_model`` and ``trainer.init_module()`` build here. With ``empty_init=True`` or
+        ``delayed_parameter_initialization=True`` the modules are created on the meta device and their
+        initialisation is recorded (`delayed_init`); setup materialises only what each rank keeps, with the
+        values a single-device build with the same seed gives."""
+        if not (empty_init or self._config.delayed_parameter_initialization):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with deferred_init(), self.precision_plugin.tensor_init_context():
+            yield
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        # The model is whole here (built in `configure_model`, same init on every rank); parallelise it before
-        # Lightning converts its precision, moves it and builds the optimizers over what each rank keeps.
+        # The model is whole here (built in `configure_model`, same init on every rank), or on the meta device
+        # (delayed initialisation); parallelise it before Lightning converts its precision, moves it and builds the
+        # optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
         _reduce_metrics_over_replicas(self.model, self.topology)
         self._sigterm.install(trainer)
@@ -255,16 +274,22 @@ class SMPStrategy(DDPStrategy):
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group, checkpoint the modules marked for it, and keep
-        this rank's pipeline stage (in this order: see `activation_checkpointing`)."""
+            this rank's pipeline stage (in this order: see `activation_checkpointing`). A model on the meta device is
+            planned and pruned so, then only what this rank keeps is materialised (plan, then apply); last, under sharded
+        data parallelism, FSDP2 shards what is left over the data-parallel ranks."""
         config = self._config
+        on_meta = has_meta_tensors(model)
         model = tensor_parallel.parallelize(model, topology=self.topology, config=config)
         builds_pipeline = config.pipeline_parallel_degree > 1 and (
             self._pipeline is None or self._pipeline.module is not model
         )
         trunk = find_trunk(model, config.pipeline_module)[1] if builds_pipeline else None
-        activation_checkpointing.apply(model, pipelined_trunk=trunk)
+        offloader = ActivationOffloader(config.activation_loading_horizon) if config.offload_activations else None
+        activation_checkpointing.apply(model, pipelined_trunk=trunk, offloader=offloader)
         if builds_pipeline:
             self._pipeline = build_engine(model, topology=self.topology, config=config)
+        if on_meta:
+            materialize_kept(model, device=torch.device("cpu"))  # Lightning moves it to the device next
         if self._sharded:
             sharded_data_parallel.shard(model, topology=self.topology, config=config)
         return model
@@ -291,10 +316,11 @@ class SMPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         if self.topology.size("dp") == 1 or self._sharded:
-            return  # one replica: nothing to all-reduce; sharded: FSDP2 reduces the grads
-        if self._pipeline is not None:
-            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; DDP's
-            # other job, making the replicas start equal, is done here.
+            return  # one replica: nothing to all-reduce; sharded data parallelism: FSDP2 reduces the grads
+        if self._pipeline is not None or self._config.shard_optimizer_state:
+            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; with
+            # sharded optimizer state the optimizer reduce-scatters instead. DDP's other job, making the replicas
+            # start equal, is done here.
             _sync_over_replicas(self.model, self.topology)
             return
         super().configure_ddp()

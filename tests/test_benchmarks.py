@@ -97,12 +97,12 @@ def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:
     assert all(_positive(mode["phases_ms"]["backward"]) for mode in modes.values())
 
 
-def test_activation_memory_reports_both_modes(tmp_path: Path) -> None:
+def test_activation_memory_reports_every_mode(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     small = ("--layers", "2", "--width", "32", "--block", "16", "--batch", "2", "--vocab", "64", "--steps", "2")
     _run("activation_memory.py", *small, "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
-    assert [row["mode"] for row in rows] == ["plain", "checkpointed"]
+    assert [row["mode"] for row in rows] == ["plain", "checkpointed", "offloaded"]
     assert all(_positive(row["peak_mib"]) and _positive(row["ms_per_step"]) for row in rows)
 
 

@@ -94,7 +94,7 @@ def _fail_a_save(rank, trainer, directory):
     """Overwrite last.ckpt with different weights while rank 1's write fails; last.ckpt must stay as it was."""
     for optimizer in trainer.strategy.optimizers:
         with torch.no_grad():
-            for _, master in optimizer.param_master_pairs():
+            for _, master in optimizer.whole_masters():
                 master.mul_(2.0)  # what a successful save would write
     original = FileSystemWriter.write_data
     if rank == 1:
@@ -522,7 +522,7 @@ def test_names_the_checkpoint_lacks_or_has_extra_are_listed(tmp_path):
         for name, shape in {"net.0.weight": (16, 8), "net.0.bias": (16,), "head.weight": (1, 16)}.items()
     }
     metadata = Metadata(state_dict_metadata=saved)
-    targets = loading._model_targets(TinyRegressor(), [])
+    targets = loading._model_targets(TinyRegressor(), {})
     problems = loading._model_problems(targets, metadata, strict=True)
     problems += loading._unexpected_problems(metadata, set(targets))
     assert "this model has 2 entries the checkpoint lacks: net.2.weight, net.2.bias" in problems[0]

@@ -459,13 +459,13 @@ def test_bad_environment_variable(raw, match):
 
 def test_inactive_settings_lists_only_changed_ones():
     assert SMPConfig().inactive_settings() == []
-    cfg = SMPConfig(offload_activations=True, ddp=True, ddp_dist_backend="nccl", fp16=True)
+    cfg = SMPConfig(horovod=True, ddp=True, ddp_dist_backend="nccl", fp16=True, offload_activations=True)
     assert cfg.inactive_settings() == [
         "ddp=True has no effect in lightning_smp yet: data parallelism is always on "
         "(data parallel degree = world size / (pp * tp))",
         "ddp_dist_backend='nccl' has no effect in lightning_smp yet: Lightning picks the backend: "
         "NCCL on GPU, gloo on CPU",
-        "offload_activations=True has no effect in lightning_smp yet: activation offloading is not implemented",
+        "horovod=True has no effect in lightning_smp yet: data parallelism runs on torch.distributed, never Horovod",
     ]
 
 

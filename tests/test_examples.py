@@ -38,6 +38,18 @@ def test_digits_cnn_fp16_reaches_target_with_skipped_warmup_steps(digits_cnn: Mo
     assert metrics["loss_scale"] < 2.0**32
 
 
+def test_hf_llama_trains_a_transformers_model_at_its_smallest_setting() -> None:
+    pytest.importorskip("transformers")
+    from examples import hf_llama
+
+    brief = ["--accelerator", "cpu", "--max-steps", "40", "--val-every", "40", "--batch-size", "8", "--num-files", "3"]
+    metrics = hf_llama.main(brief)
+    assert metrics["val_loss"] < 3.30  # better than the character frequencies after 40 steps
+    checkpointed = hf_llama.main([*brief, "--max-steps", "6", "--val-every", "6", "--activation-checkpointing"])
+    plain = hf_llama.main([*brief, "--max-steps", "6", "--val-every", "6"])
+    assert checkpointed["val_loss"] == plain["val_loss"] and checkpointed["train_loss"] == plain["train_loss"]
+
+
 def test_digits_cnn_fp32_reaches_target_without_loss_scaling(digits_cnn: ModuleType) -> None:
     metrics = digits_cnn.main(["--accelerator", "cpu", "--no-fp16"])
     assert metrics["val_acc"] >= digits_cnn.TARGET_VAL_ACC

@@ -15,8 +15,9 @@ from torch import Tensor, nn
 from torch.optim import SGD, Adadelta, AdamW, Optimizer
 from torch.optim.lr_scheduler import StepLR
 
+from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
-from lightning_smp.optimizer import MasterWeightOptimizer, clip_grad_norm_counted
+from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import mark_norm_duplicate
 from tests.distributed import init_gloo, run_distributed
 

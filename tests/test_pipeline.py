@@ -1,5 +1,6 @@
 """Pipeline planning without processes: microbatches, schedules, partitions, and the trunk's routing on one rank."""
 
+import copy
 from collections import OrderedDict, namedtuple
 
 import pytest
@@ -17,11 +18,11 @@ from lightning_smp.pipeline.partition import (
     child_weights,
     describe_children,
     find_trunk,
+    plan_outside,
     plan_partition,
     sizes_from_assignment,
 )
-from lightning_smp.pipeline.runtime import _classify_parameters
-from lightning_smp.pipeline.stage import StageExit, TrunkRouter
+from lightning_smp.pipeline.stage import StageExit, StandIn, TrunkRouter, hold_outside
 from lightning_smp.pipeline.trace import measure_children
 
 Pair = namedtuple("Pair", ["x", "y"])
@@ -229,8 +230,9 @@ def test_plans_from_sizes_the_cost_model_or_the_smp_placement():
     assert virtual.chunks_of(1) == (1, 3, 5) and virtual.owned(0) == (0, 2, 4)
     with pytest.raises(ValueError, match=r"virtual_stages=3 cuts the trunk into chunks; give partition="):
         plan_partition("blocks", children, stages=2, chunks_per_stage=3, auto=False, default=0)
-    table = auto.table(outside_params=50)
+    table = auto.table(outside=(50, 0, 7))
     assert "stage  trunk children" in table and "blocks.0 .. 1 + modules before the trunk" in table
+    assert "90" in table.splitlines()[2] and "47" in table.splitlines()[4]  # 40 + 50 on stage 0, 40 + 7 on the last
     with pytest.raises(ValueError, match=r"has 6 children, fewer than the 8 pipeline stages.*<= 6"):
         plan_partition("blocks", children, stages=8)
     with pytest.raises(ValueError, match=r"partition=\(4, 1\) places 5 trunk children, but 'blocks' has 6"):
@@ -298,16 +300,22 @@ def test_smp_partition_tags_modules_created_inside_and_set_partition_overrides()
         smp.set_partition(loose, -1)
 
 
-def test_tied_parameters_are_found_and_cross_stage_sharing_is_refused():
+def test_outside_modules_live_on_their_side_of_the_trunk_and_tied_parameters_on_both():
     net = _Net()
     net.head.weight = net.embed.weight
-    plan = plan_partition("blocks", describe_children(net.blocks, "blocks"), stages=2)
-    tied, outside = _classify_parameters(net, plan)
-    assert tied == [net.embed.weight]
-    assert [name for name, _ in outside] == ["small.0.weight", "small.0.bias"]
+    net.scale = nn.Parameter(torch.ones(4))  # set on the LightningModule itself: every stage holds it
+    plan = plan_partition("blocks", describe_children(net.blocks, "blocks"), stages=3)
+    outside = plan_outside(net, plan)
+    assert outside.before == ("embed", "small") and outside.after == ("head",)
+    assert outside.tied == ("embed.weight", "head.weight") and outside.shared == ("scale",)
+    assert outside.params_per_stage == (40 + 20 + 4, 4, 40 + 4)  # the tied weight on the first and the last
+    assert outside.dropped(0) == ("head",) and outside.dropped(1) == ("embed", "small", "head")
+    assert outside.dropped(2) == ("embed", "small")
+    assert outside.side_of("small.0.bias") == 0 and outside.side_of("head.weight") == 0  # tied: the first's
+    assert outside.side_of("scale") is None
     net.blocks[3].weight = net.blocks[0].weight
     with pytest.raises(ValueError, match=r"shared by blocks\.0\.weight, blocks\.3\.weight, which run on different"):
-        _classify_parameters(net, plan)
+        plan_outside(net, plan)
 
 
 # -- routing the trunk on one rank -------------------------------------------------------------------------------
@@ -352,6 +360,81 @@ def test_a_stage_keeps_its_children_and_leaves_after_its_last_one():
         out = last_model(torch.full((2, 3), 123.0))  # the local input is replaced by the received activation
     assert call.finished
     torch.testing.assert_close(out, whole(x))
+
+
+class _LanguageModel(nn.Module):
+    """An embedding and a position table before a ModuleList trunk, a head after it; ``tied``: the head's weight
+    is the embedding's."""
+
+    def __init__(self, *, tied: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 3)
+        self.position = nn.Embedding(5, 3)
+        self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+        self.head = nn.Linear(3, 10, bias=False)
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def forward(self, idx):
+        x = self.embed(idx)
+        x += self.position(torch.arange(idx.shape[1]))  # in place: on a later stage, into the placeholder
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _hold(model, stage):
+    plan = plan_partition("blocks", describe_children(model.blocks, "blocks"), stages=2)
+    outside = plan_outside(model, plan)
+    router = TrunkRouter(model.blocks, plan, stage)
+    hold_outside(model, outside, router)
+    return router
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_later_stage_holds_no_module_before_the_trunk_and_replaces_its_output_by_zeros(tied):
+    torch.manual_seed(0)
+    whole = _LanguageModel(tied=tied)
+    first, last = _LanguageModel(tied=tied), _LanguageModel(tied=tied)
+    first.load_state_dict(whole.state_dict())
+    last.load_state_dict(whole.state_dict())
+    idx = torch.randint(0, 10, (2, 5))
+    first_router, last_router = _hold(first, 0), _hold(last, 1)
+    held_first = {name for name, _ in first.named_parameters(remove_duplicate=False)}
+    held_last = {name for name, _ in last.named_parameters(remove_duplicate=False)}
+    tied_names = {"embed.weight", "head.weight"} if tied else set()
+    blocks = {f"blocks.{i}.{kind}" for i in range(4) for kind in ("weight", "bias")}
+    assert held_first == {"embed.weight", "position.weight"} | {b for b in blocks if b < "blocks.2"} | tied_names
+    assert held_last == {"head.weight"} | {b for b in blocks if b > "blocks.2"} | tied_names
+    assert isinstance(first.head, StandIn) and isinstance(last.embed, StandIn)
+    with first_router.run(0), pytest.raises(StageExit) as stop:
+        first(idx)
+    placeholder = last.embed(idx)
+    assert placeholder.shape == (2, 5, 3) and not placeholder.any()
+    with last_router.run(1, stop.value.output):
+        out = last(idx)
+    torch.testing.assert_close(out, whole(idx))
+    last.half()
+    assert last.embed(idx).dtype == torch.float16  # the placeholders follow the model's casts
+    assert last.embed.embedding_dim == 3  # a module's settings are readable on every stage
+    with pytest.raises(AttributeError, match="'position' lives on pipeline stage 0 only, but stage 1 used"):
+        _ = last.position.weight
+    copied = copy.deepcopy(last)  # e.g. an EMA callback's copy of the module
+    assert isinstance(copied.embed, StandIn) and copied.embed(idx).dtype == torch.float16
+
+
+def test_a_module_run_on_the_other_side_of_the_trunk_than_registered_is_a_clear_error():
+    class HeadFirst(_LanguageModel):
+        def forward(self, idx):
+            x = self.head(self.embed(idx))[..., :3]  # registered after the trunk, run before it
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    model = HeadFirst(tied=False)
+    router = _hold(model, 0)
+    with router.run(0), pytest.raises(RuntimeError, match="'head' is registered after the pipelined trunk"):
+        model(torch.zeros(1, 2, dtype=torch.long))
 
 
 def test_code_between_children_and_skip_connections_are_refused():

@@ -4,7 +4,6 @@ Each `run_distributed` call starts its ranks once and trains several layouts one
 dominates on two shared cores); the module-scoped fixtures hold their results and the tests compare them.
 """
 
-import math
 import os
 from functools import partial
 
@@ -19,7 +18,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
-from tests.models import quiet_trainer
+from tests.models import TransformerBlock, quiet_trainer, small_cnn
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses, single_device_run
 
 STEPS = 10
@@ -28,27 +27,9 @@ VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
 # -- models ----------------------------------------------------------------------------------------------------
 
 
-class Block(nn.Module):
-    """A pre-norm transformer block; the causal mask comes in as an extra argument (not sent between stages)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.norm1 = nn.LayerNorm(WIDTH)
-        self.qkv = nn.Linear(WIDTH, 3 * WIDTH)
-        self.proj = nn.Linear(WIDTH, WIDTH)
-        self.norm2 = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH))
-
-    def forward(self, x: Tensor, mask: Tensor) -> Tensor:
-        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)  # (B, T, W) each
-        attention = (q @ k.transpose(-1, -2) / math.sqrt(WIDTH)).masked_fill(mask, float("-inf")).softmax(-1)
-        x = x + self.proj(attention @ v)
-        return x + self.mlp(self.norm2(x))
-
-
 class TinyGPT(pl.LightningModule):
-    """Token + position embeddings before a ModuleList trunk, a final norm and a head tied to the embedding;
-    ``checkpoint``: the trunk's activation-checkpointing strategy, if any."""
+    """Token + position embeddings before a ModuleList trunk, a final norm and a head tied to the embedding
+    (``tied=False``: a head of its own); ``checkpoint``: the trunk's activation-checkpointing strategy, if any."""
 
     def __init__(
         self,
@@ -58,16 +39,18 @@ class TinyGPT(pl.LightningModule):
         batch_size: int = 8,
         samples: int = 80,
         checkpoint: str | None = None,
+        tied: bool = True,
     ) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, WIDTH)
         self.wpe = nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.blocks = nn.ModuleList(TransformerBlock(WIDTH) for _ in range(BLOCKS))
         if checkpoint:
             smp.set_activation_checkpointing(self.blocks, strategy=checkpoint)
         self.norm = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
+        if tied:
+            self.head.weight = self.wte.weight
         self.lr, self.optimizer_name, self.batch_size = lr, optimizer, batch_size
         generator = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
@@ -119,17 +102,7 @@ class TinyCNN(pl.LightningModule):
 
     def __init__(self, *, batch_size: int = 8, samples: int = 80, checkpoint: str | None = None) -> None:
         super().__init__()
-        self.net = nn.Sequential(
-            nn.Conv2d(1, 4, 3, padding=1),
-            nn.ReLU(),
-            nn.Conv2d(4, 8, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(8, 8, 3, padding=1),
-            nn.Tanh(),
-            nn.Flatten(),
-            nn.Linear(8 * 4 * 4, 10),
-        )
+        self.net = small_cnn()
         if checkpoint:
             smp.set_activation_checkpointing(self.net, strategy=checkpoint)
         self.batch_size = batch_size
@@ -190,6 +163,7 @@ def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
             "dp": trainer.strategy.topology.rank("dp"),
             "losses": recorder.losses,
             "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items() if k in owned},
+            "held": {name: param.numel() * param.element_size() for name, param in model.named_parameters()},
             "skipped": getattr(optimizer, "skipped_steps", torch.zeros(())).item(),
             "scale": getattr(optimizer, "loss_scale", None),
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # compiled so far in this rank
@@ -380,6 +354,7 @@ CLIP = 0.5
 LAYOUTS_2 = {
     "gpt_1f1b": ("gpt", {}, PP2),
     "gpt_simple": ("gpt", {}, {**PP2, "pipeline": "simple", "partition": [1, 3]}),  # manual stage sizes
+    "gpt_untied": ("gpt", {"tied": False}, PP2),
     "cnn_1f1b": ("cnn", {}, PP2),
     "cnn_simple": ("cnn", {}, {**PP2, "pipeline": "simple", "active_microbatches": 2}),
     "gpt_fp16": ("gpt", {}, {**PP2, **FP16}),
@@ -412,6 +387,29 @@ def two_ranks(tmp_path_factory):
 @pytest.mark.parametrize("name", ["gpt_1f1b", "gpt_simple"])
 def test_pp2_gpt_with_tied_head_matches_one_process(two_ranks, name):
     _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], name)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_gpt_with_untied_head_matches_one_process(two_ranks):
+    _check_against(_reference("gpt", {"tied": False}), [r["layouts"] for r in two_ranks], "gpt_untied")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gpt_untied", "gpt_1f1b"])
+def test_pp2_modules_before_the_trunk_live_on_the_first_stage_only_and_after_it_on_the_last(two_ranks, name):
+    first, last = (set(r["layouts"][name]["held"]) for r in two_ranks)
+    before, after = {"wte.weight", "wpe.weight"}, {"norm.weight", "norm.bias"}
+    if name == "gpt_untied":
+        after.add("head.weight")
+        assert before <= first and not before & last and after <= last and not after & first
+    else:  # the tied embedding and head weight: on both stages (under its first name), kept in sync
+        assert before <= first and "wpe.weight" not in last and after <= last and "wte.weight" in last
+    assert not {n for n in first if n.startswith("blocks.")} & {n for n in last if n.startswith("blocks.")}
+    single = _reference("gpt", {} if name == "gpt_1f1b" else {"tied": False})["weights"]
+    stage_bytes = [sum(r["layouts"][name]["held"].values()) for r in two_ranks]
+    whole = sum(v.numel() * 4 for k, v in single.items() if k != "head.weight" or name == "gpt_untied")
+    shared = VOCAB * WIDTH * 4 if name == "gpt_1f1b" else 0
+    assert sum(stage_bytes) == whole + shared  # nothing held twice but the tied weight
 
 
 @pytest.mark.timeout(300)

@@ -371,3 +371,21 @@ def test_facade_in_a_two_process_run():
             assert {name: facts[name] for name in _RANK_HELPERS} == {name: answers[name] for name in _RANK_HELPERS}
             assert facts["cfg"].microbatches == 2
             assert facts["initialized"] is False
+
+
+# ---------------------------------------------------------------- a planned layout (the memory planner)
+
+
+def test_preview_answers_a_planned_layout_and_refuses_process_groups():
+    config = SMPConfig(pipeline_parallel_degree=2, tensor_parallel_degree=2, fp16=True)
+    before = (smp.tp_size(), smp.pp_size(), smp.state.cfg)
+    with smp.preview(config, world_size=8):
+        assert (smp.tp_size(), smp.pp_size(), smp.rdp_size(), smp.dp_size(), smp.size()) == (2, 2, 2, 4, 8)
+        assert (smp.rank(), smp.tp_rank(), smp.pp_rank()) == (0, 0, 0)
+        assert smp.state.cfg.fp16
+        assert not smp.state.initialized
+        with pytest.raises(RuntimeError, match=r"smp.get_tp_process_group\(\) needs a running SMPStrategy"):
+            smp.get_tp_process_group()
+    assert (smp.tp_size(), smp.pp_size(), smp.state.cfg) == before  # the facade answers as before the preview
+    with pytest.raises(ValueError, match="does not divide the world size 6"), smp.preview(config, world_size=6):
+        pass

@@ -61,8 +61,8 @@ def test_the_sagemaker_environment_variable_overrides_the_script(monkeypatch):
 
 
 def test_settings_without_effect_say_so():
-    with pytest.warns(UserWarning, match="offload_activations=True has no effect"):
-        SMPStrategy(offload_activations=True)
+    with pytest.warns(UserWarning, match="horovod=True has no effect"):
+        SMPStrategy(horovod=True)
 
 
 def test_unknown_smp_keys_suggest_the_nearest():

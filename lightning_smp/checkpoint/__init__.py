@@ -25,7 +25,8 @@ A checkpoint is a directory (Lightning's sharded-checkpoint convention: ``meta.p
       __<rank>_<n>.distcp   DCP: the entries rank <rank> wrote
 
 Entries: ``model/<name>`` (the module's ``state_dict`` under global names, parameters in fp32: the master
-weights of an fp16/bf16 run), ``optim/<i>/state/<name>/<key>`` (optimizer ``i``'s state by parameter name) and
+weights of an fp16/bf16 run), ``optim/<i>/state/<name>/<key>`` (optimizer ``i``'s state by parameter name, shaped
+like the parameter; a sharded optimizer's replicas gather it whole, so it loads at any data-parallel degree) and
 ``rng/<rank>`` (each rank's random generators).
 """
 

@@ -26,8 +26,9 @@ from lightning_smp.checkpoint.names import (
     OPTIM,
     RNG,
     aliases,
+    load_state_by_param,
     masters_by_param,
-    names_of_optimized,
+    optimized_params,
     params_by_name,
     shards_by_name,
     unwrap,
@@ -81,7 +82,8 @@ def load(
 
     optimizers = [unwrap(optimizer) for optimizer in optimizers]
     saved_optimizers = meta.get("optimizer_states")
-    targets = _model_targets(module, optimizers)
+    masters = masters_by_param(optimizers)
+    targets = _model_targets(module, masters)
     problems = _model_problems(targets, metadata, strict)
     names = all_gather_object(sorted(targets))
     if strict:
@@ -107,7 +109,7 @@ def load(
     with reraised_as_checkpoint_error(f"Loading the checkpoint {str(path)!r} failed"):
         dcp.load(targets, storage_reader=FileSystemReader(path), planner=LoadPlanner(allow_partial_load=not strict))
 
-    _after_model_load(module, optimizers, targets)
+    _after_model_load(module, optimizers, masters, targets)
     for plan, optimizer, saved in zip(plans, optimizers, saved_optimizers or [], strict=False):
         _load_optimizer(plan, optimizer, saved, targets)
     if targets.get(rng_key) is not None:
@@ -151,9 +153,8 @@ def load_plain(
     return checkpoint
 
 
-def _model_targets(module: nn.Module, optimizers: Sequence[Any]) -> dict[str, Any]:
+def _model_targets(module: nn.Module, masters: dict[int, Tensor]) -> dict[str, Any]:
     """Where each ``model/`` entry loads: the fp32 master of a parameter that has one, else the tensor itself."""
-    masters = masters_by_param(optimizers)
     targets = {}
     for name, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, Tensor):
@@ -203,14 +204,14 @@ def _listing(items: Sequence[str], limit: int = 8) -> str:
     return shown + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
 
-def _after_model_load(module: nn.Module, optimizers: Sequence[Any], targets: dict[str, Any]) -> None:
-    """Copy the loaded masters into the half-precision parameters; hand extra state back to its modules."""
-    with torch.no_grad():
-        for optimizer in optimizers:
-            if isinstance(optimizer, MasterWeightOptimizer):
-                pairs = [(p, m) for p, m in optimizer.param_master_pairs() if p is not m]
-                if pairs:
-                    torch._foreach_copy_([p for p, _ in pairs], [m for _, m in pairs])
+def _after_model_load(
+    module: nn.Module, optimizers: Sequence[Any], masters: dict[int, Tensor], targets: dict[str, Any]
+) -> None:
+    """Hand the loaded masters to their optimizers (which set the model's parameters from them); hand extra state
+    back to its modules."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, MasterWeightOptimizer):
+            optimizer.load_whole_masters(masters)
     extra = {
         name[len(MODEL) :]: value
         for name, value in targets.items()
@@ -221,23 +222,21 @@ def _after_model_load(module: nn.Module, optimizers: Sequence[Any], targets: dic
 
 
 class _OptimizerPlan:
-    """Where optimizer ``index``'s saved state loads on this rank: entry → (position in the optimizer, state key)."""
+    """Where optimizer ``index``'s saved state loads on this rank: entry → (model parameter, state key)."""
 
     def __init__(self) -> None:
         self.targets: dict[str, Any] = {}
-        self.slots: dict[str, tuple[int, str]] = {}
+        self.slots: dict[str, tuple[Tensor, str]] = {}
 
 
 def _optimizer_plan(index: int, optimizer: Any, module: nn.Module, metadata: Metadata) -> _OptimizerPlan:
-    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
-    names = names_of_optimized(optimizer, module)
+    names = {id(param): name for name, param in module.named_parameters()}
     names_of = aliases(module)
     params = params_by_name(module)
     shards = shards_by_name(module)
     saved_keys = _optimizer_keys(index, metadata)
     plan = _OptimizerPlan()
-    optimized = [p for group in inner.param_groups for p in group["params"]]
-    for position, param in enumerate(optimized):
+    for param in optimized_params(optimizer):
         name = names.get(id(param))
         found = next((alias for alias in names_of.get(name, [name]) if alias in saved_keys), None)
         if found is None:
@@ -249,7 +248,7 @@ def _optimizer_plan(index: int, optimizer: Any, module: nn.Module, metadata: Met
                 plan.targets[entry] = None
             else:
                 plan.targets[entry] = state_target(info, params.get(name), shards.get(name))
-            plan.slots[entry] = (position, key)
+            plan.slots[entry] = (param, key)
     return plan
 
 
@@ -265,22 +264,14 @@ def _optimizer_keys(index: int, metadata: Metadata) -> dict[str, list[str]]:
 
 
 def _load_optimizer(plan: _OptimizerPlan, optimizer: Any, saved: dict[str, Any], targets: dict[str, Any]) -> None:
-    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
-    saved_groups = saved["param_groups"]
-    if len(saved_groups) != len(inner.param_groups):
-        raise CheckpointError(
-            f"The checkpoint's optimizer has {len(saved_groups)} param groups, this one has "
-            f"{len(inner.param_groups)}: build the optimizer with the same groups as when it was saved."
-        )
-    groups, start = [], 0
-    for saved_group, group in zip(saved_groups, inner.param_groups, strict=True):
-        groups.append({**saved_group, "params": list(range(start, start + len(group["params"])))})
-        start += len(group["params"])
-    state: dict[int, dict[str, Any]] = {}
-    for entry, (position, key) in plan.slots.items():
+    states: dict[int, dict[str, Any]] = {}
+    for entry, (param, key) in plan.slots.items():
         value = targets[entry]
-        state.setdefault(position, {})[key] = value.local if isinstance(value, ShardChunks) else value
-    inner.load_state_dict({"state": state, "param_groups": groups})
+        states.setdefault(id(param), {})[key] = value.local if isinstance(value, ShardChunks) else value
+    try:
+        load_state_by_param(optimizer, states, saved["param_groups"])
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
     if isinstance(optimizer, MasterWeightOptimizer):
         _load_scaler(optimizer, saved)
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_smp.checkpoint.verification import CheckpointError
-from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
 from lightning_smp.placement import TPShard, placement_of
 
 __all__ = [
@@ -25,12 +25,14 @@ __all__ = [
     "OPTIM",
     "RNG",
     "aliases",
+    "load_state_by_param",
     "masters_by_param",
     "model_state_dict",
-    "names_of_optimized",
+    "optimized_params",
     "optimizer_state_dict",
     "params_by_name",
     "shards_by_name",
+    "state_by_param",
     "unwrap",
 ]
 
@@ -40,7 +42,8 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # the entries' prefixes (see the
 def model_state_dict(module: nn.Module, optimizers: Sequence[Any] = ()) -> dict[str, Any]:
     """``module.state_dict()`` under its global names, with each parameter that has an fp32 master replaced by it.
 
-    Tensors are this rank's (tensor-parallel shards stay shards); nothing is copied.
+    Tensors are this rank's (tensor-parallel shards stay shards); nothing is copied, except the masters of a sharded
+    optimizer, which are gathered whole (collective: every replica calls it).
     """
     masters = masters_by_param(optimizers)
     return {
@@ -52,25 +55,23 @@ def model_state_dict(module: nn.Module, optimizers: Sequence[Any] = ()) -> dict[
 def optimizer_state_dict(optimizer: Any, module: nn.Module) -> dict[str, Any]:
     """One optimizer's state keyed by global parameter name (torch keys it by position, which differs between
     layouts): ``{"state": {name: {key: value}}, "param_groups": [hyper-parameters], "loss_scaler", "skipped_steps"}``.
+    Collective when the optimizer state is sharded (every replica calls it).
     """
     optimizer = unwrap(optimizer)
-    inner = optimizer.optimizer if isinstance(optimizer, MasterWeightOptimizer) else optimizer
-    names = names_of_optimized(optimizer, module)
-    params = [p for group in inner.param_groups for p in group["params"]]
-    saved = inner.state_dict()
+    names = {id(param): name for name, param in module.named_parameters()}
     state = {}
-    for index, values in saved["state"].items():
-        name = names.get(id(params[index]))
+    for param, values in state_by_param(optimizer):
+        name = names.get(id(param))
         if name is None:
             raise CheckpointError(
-                f"The optimizer updates a parameter of shape {tuple(params[index].shape)} that is not in the "
+                f"The optimizer updates a parameter of shape {tuple(param.shape)} that is not in the "
                 "LightningModule, so it has no name to be saved under. Register it on the module (as an "
                 "nn.Parameter attribute) before building the optimizer."
             )
         state[name] = dict(values)
     result: dict[str, Any] = {
         "state": state,
-        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in saved["param_groups"]],
+        "param_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
     }
     if isinstance(optimizer, MasterWeightOptimizer):
         scaler = optimizer.loss_scaler
@@ -83,24 +84,38 @@ def unwrap(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
+def optimized_params(optimizer: Optimizer) -> list[Tensor]:
+    """The model parameters ``optimizer`` updates (through fp32 masters or not)."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        return optimizer.model_params()
+    return [param for group in optimizer.param_groups for param in group["params"]]
+
+
+def state_by_param(optimizer: Optimizer) -> list[tuple[Tensor, dict[str, Any]]]:
+    """Each model parameter that has optimizer state, with its state shaped like the parameter."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        return optimizer.state_by_param()
+    return [(p, optimizer.state[p]) for p in optimized_params(optimizer) if optimizer.state.get(p)]
+
+
+def load_state_by_param(
+    optimizer: Optimizer, states: dict[int, dict[str, Any]], param_groups: Sequence[dict[str, Any]]
+) -> None:
+    """Set ``optimizer``'s state from states by id(model parameter) and its groups' hyper-parameters."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        optimizer.load_state_by_param(states, param_groups)
+    else:
+        load_state_by_tensor(optimizer, states, param_groups)
+
+
 def masters_by_param(optimizers: Sequence[Any]) -> dict[int, Tensor]:
-    """id(model parameter) → the fp32 master the optimizer updates in its place."""
+    """id(model parameter) → its whole fp32 master (gathered when sharded: collective)."""
     masters = {}
     for optimizer in optimizers:
         optimizer = unwrap(optimizer)
         if isinstance(optimizer, MasterWeightOptimizer):
-            masters.update({id(param): master for param, master in optimizer.param_master_pairs()})
+            masters.update({id(param): master for param, master in optimizer.whole_masters()})
     return masters
-
-
-def names_of_optimized(optimizer: Optimizer, module: nn.Module) -> dict[int, str]:
-    """id(tensor the inner optimizer updates) → the module's (first) name for that parameter."""
-    names = {id(param): name for name, param in module.named_parameters()}
-    if isinstance(optimizer, MasterWeightOptimizer):
-        for param, master in optimizer.param_master_pairs():
-            if id(param) in names:
-                names[id(master)] = names[id(param)]
-    return names
 
 
 def aliases(module: nn.Module) -> dict[str, list[str]]:

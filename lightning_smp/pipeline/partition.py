@@ -4,7 +4,8 @@ Owns the planning half of pipeline parallelism, as pure functions over sizes and
 walks over the module: `find_trunk` and `describe_children`): which sequential container is the trunk, how
 many of its children each stage (chunk) holds — balanced by a cost model mixing compute and memory with smp's
 ``memory_weight``, given as ``partition`` sizes, or read from ``smp.partition`` / ``smp.set_partition`` tags —
-which parameters are tied across stages, and the table printed at setup. `stage.py` and `runtime.py` execute it.
+where the modules outside the trunk live (`plan_outside`: before it on the first stage, after it on the last,
+tied parameters on both), and the table printed at setup. `stage.py` and `runtime.py` execute it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import nn
 
 __all__ = [
     "ChildCost",
+    "OutsidePlan",
     "PartitionPlan",
     "assigned_partition",
     "balance",
@@ -26,6 +28,7 @@ __all__ = [
     "describe_children",
     "find_trunk",
     "partition",
+    "plan_outside",
     "plan_partition",
     "set_partition",
     "sizes_from_assignment",
@@ -90,14 +93,15 @@ class PartitionPlan:
         """Indices of the trunk children held by ``stage``."""
         return tuple(i for chunk in self.chunks_of(stage) for i in self.chunk_range(chunk))
 
-    def table(self, *, outside_params: int = 0, bytes_per_param: float = 4.0) -> str:
-        """The partition table: one row per stage with its children, parameters and estimated memory."""
+    def table(self, *, outside: Sequence[int] | None = None, bytes_per_param: float = 4.0) -> str:
+        """The partition table: one row per stage with its children, parameters and estimated memory;
+        ``outside``: per stage, the parameters it holds outside the trunk (`OutsidePlan.params_per_stage`)."""
         header = ("stage", "trunk children", "params", "est. memory")
         rows = []
         for stage in range(self.stages):
             owned = self.owned(stage)
             names = ", ".join(_span(self.children, self.chunk_range(c)) for c in self.chunks_of(stage))
-            params = sum(self.children[i].params for i in owned)
+            params = sum(self.children[i].params for i in owned) + (outside[stage] if outside else 0)
             extra = []
             if stage == 0:
                 extra.append("modules before the trunk")
@@ -114,10 +118,107 @@ class PartitionPlan:
         ]
         lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
         lines.append(
-            f"Outside the trunk: {outside_params:,} params, held by every stage, trained where they run "
-            f"(est. memory: params x {bytes_per_param:g} bytes for weights, grads and optimizer state)."
+            f"(est. memory: params x {bytes_per_param:g} bytes for weights, grads and optimizer state; a stage holds "
+            "the modules outside the trunk only on its side of it, tied weights on the first and the last stage.)"
         )
         return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class OutsidePlan:
+    """Where the parameters outside the trunk live.
+
+    Along the path from the LightningModule to the trunk, the modules holding parameters that are registered
+    (in ``__init__`` order) before the trunk's branch run before it and live on the first stage only; those
+    registered after it live on the last stage only. A parameter registered under several of those names (an
+    embedding tied to its output head) is ``tied``: held by the first and the last stage, kept identical.
+    Parameters set directly on the trunk's ancestors are ``shared``: every stage holds them and the stage that
+    uses them trains them.
+    """
+
+    stages: int
+    before: tuple[str, ...]
+    """Modules (qualified names) that only the first stage holds."""
+    after: tuple[str, ...]
+    """Modules that only the last stage holds."""
+    tied: tuple[str, ...]
+    """Every name of every tied parameter."""
+    shared: tuple[str, ...]
+    """Names of the parameters every stage holds (not tied)."""
+    params_per_stage: tuple[int, ...]
+    """Parameters each stage holds outside the trunk (a tied one counted on both stages)."""
+
+    def dropped(self, stage: int) -> tuple[str, ...]:
+        """The modules outside the trunk that ``stage`` does not hold."""
+        return (self.before if stage > 0 else ()) + (self.after if stage < self.stages - 1 else ())
+
+    def side_of(self, name: str) -> int | None:
+        """The stage that trains the parameter or module ``name`` outside the trunk (0: before it, the last
+        stage: after it; tied parameters: the first stage), or None for a shared one (or a trunk name)."""
+        if name in self.tied:
+            return 0
+        if any(_within(name, module) for module in self.before):
+            return 0
+        if any(_within(name, module) for module in self.after):
+            return self.stages - 1
+        return None
+
+
+def _within(name: str, module: str) -> bool:
+    return name == module or name.startswith(f"{module}.")
+
+
+def plan_outside(root: nn.Module, plan: PartitionPlan) -> OutsidePlan:
+    """Place the modules and parameters outside ``plan``'s trunk (see `OutsidePlan`); refuses a parameter
+    shared across stages in a way the pipeline cannot keep in sync. Reads ``root``, changes nothing."""
+    parts = plan.trunk.split(".")
+    before: list[str] = []
+    after: list[str] = []
+    for depth, part in enumerate(parts):
+        path = ".".join(parts[:depth])
+        side = before
+        for name, child in root.get_submodule(path).named_children():
+            if name == part:
+                side = after
+            elif next(child.parameters(), None) is not None:
+                side.append(f"{path}.{name}" if path else name)
+    last = plan.stages - 1
+    every = set(range(plan.stages))
+    prefix = f"{plan.trunk}."
+    names: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+        sizes[id(param)] = param.numel()
+    tied: list[str] = []
+    shared: list[str] = []
+    per_stage = [0] * plan.stages
+    for key, found in names.items():
+        stages = {plan.stage_of(int(n[len(prefix) :].split(".")[0])) for n in found if n.startswith(prefix)}
+        outside = [n for n in found if not n.startswith(prefix)]
+        if len(stages) > 1 or (stages and outside):
+            raise ValueError(
+                f"one parameter is shared by {', '.join(found)}, which run on different pipeline stages; the "
+                "pipeline keeps only tied weights outside the trunk (an embedding and its output head) in sync. "
+                "Place the modules sharing it on one stage (partition=...), or give each its own parameter."
+            )
+        if stages:
+            continue
+        holders: set[int] = set()
+        for name in outside:
+            if any(_within(name, module) for module in before):
+                holders.add(0)
+            elif any(_within(name, module) for module in after):
+                holders.add(last)
+            else:
+                holders |= every
+        for stage in holders:
+            per_stage[stage] += sizes[key]
+        if len(outside) > 1 and {0, last} <= holders:
+            tied += outside
+        elif holders == every:
+            shared += outside
+    return OutsidePlan(plan.stages, tuple(before), tuple(after), tuple(tied), tuple(shared), tuple(per_stage))
 
 
 def bytes_per_param(param_dtype: torch.dtype) -> float:

@@ -9,9 +9,10 @@ weights in sync (pytorch #51931). The schedules are the same family (schedule.py
 
 Owns: the microbatch loop, forward and backward per action, scaling the pipelined loss (× loss scale / (m × k)),
 keeping the step's gradients aside until Lightning's backward call (Lightning zeroes gradients between
-``training_step`` and ``backward``), the all-reduce of those gradients over data-parallel replicas and of tied
-parameters over the first and last stages, and handing every stage the last stage's outputs, ``self.log`` calls
-and the state of the torchmetrics objects it logged. Not owned: the plan (partition.py, schedule.py), routing
+``training_step`` and ``backward``), the all-reduce of those gradients over data-parallel replicas (unless the
+optimizer state is sharded: its optimizer reduce-scatters them) and of tied parameters over the first and last
+stages, and handing every stage the last stage's outputs, ``self.log`` calls and the state of the torchmetrics
+objects it logged. Not owned: the plan (partition.py, schedule.py), routing
 inside the trunk (stage.py), messages (p2p.py).
 """
 
@@ -35,14 +36,16 @@ from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
 from lightning_smp.pipeline.p2p import NOTHING, Transport
 from lightning_smp.pipeline.partition import (
+    OutsidePlan,
     PartitionPlan,
     assigned_partition,
     bytes_per_param,
     describe_children,
     find_trunk,
+    plan_outside,
     plan_partition,
 )
-from lightning_smp.pipeline.stage import StageExit, TrunkRouter
+from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.pipeline.trace import measure_children
 from lightning_smp.placement import mark_norm_duplicate
 
@@ -70,7 +73,8 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         )
     trunk_name, trunk = find_trunk(module, config.pipeline_module)
     children = describe_children(trunk, trunk_name)
-    if getattr(module, "example_input_array", None) is not None:
+    if getattr(module, "example_input_array", None) is not None and not _on_meta(trunk):
+        # On the meta device (delayed initialisation) nothing can run yet: the cost model counts parameters.
         children = measure_children(module, trunk, children, module.example_input_array)
     assignment = None
     if not config.auto_partition and config.partition is None:
@@ -86,30 +90,34 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         assignment=assignment,
         default=config.default_partition,
     )
-    tied, outside = _classify_parameters(module, plan)
-    if not tied and not outside:
-        empty = [s for s in range(plan.stages) if not any(plan.children[i].params for i in plan.owned(s))]
-        if empty:
-            raise ValueError(
-                f"pipeline stage {empty[0]} would hold no parameters ({plan.table().splitlines()[2 + empty[0]]}), "
-                "and torch optimizers refuse an empty parameter list. Give every stage a child with parameters "
-                f"with partition=(...) (now {plan.sizes}), or use fewer stages."
-            )
+    outside = plan_outside(module, plan)
+    trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
+    per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
+    if 0 in per_stage:
+        empty = per_stage.index(0)
+        raise ValueError(
+            f"pipeline stage {empty} would hold no parameters ({plan.table().splitlines()[2 + empty]}), "
+            "and torch optimizers refuse an empty parameter list. Give every stage a child with parameters "
+            f"with partition=(...) (now {plan.sizes}), or use fewer stages."
+        )
     rank_zero_info(
         plan.table(
-            outside_params=sum(p.numel() for p in {id(p): p for p in tied + [p for _, p in outside]}.values()),
-            bytes_per_param=bytes_per_param(config.half_dtype or torch.float32),
+            outside=outside.params_per_stage, bytes_per_param=bytes_per_param(config.half_dtype or torch.float32)
         )
     )
     stage = topology.rank("pp")
     log.debug("PipelineEngine: stage %d of %d holds trunk children %s", stage, topology.pp, plan.owned(stage))
     router = TrunkRouter(trunk, plan, stage)
+    hold_outside(module, outside, router)
+    engine = PipelineEngine(module, plan=plan, router=router, topology=topology, config=config, outside=outside)
     if topology.pp > 1 and topology.is_last_stage:
-        for param in tied:
+        for param in engine.tied_parameters:
             mark_norm_duplicate(param, axis="pp")  # the first stage's copy counts in the global norm
-    return PipelineEngine(
-        module, plan=plan, router=router, topology=topology, config=config, tied=tied, outside=outside
-    )
+    return engine
+
+
+def _on_meta(module: nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 @dataclass
@@ -148,21 +156,19 @@ class PipelineEngine:
         router: TrunkRouter,
         topology: Topology,
         config: SMPConfig,
-        tied: list[nn.Parameter],
-        outside: list[tuple[str, nn.Parameter]],
+        outside: OutsidePlan,
     ) -> None:
         self._module = module
         self._plan = plan
         self._router = router
         self._topology = topology
         self._config = config
-        self._tied = tied
         self._outside = outside
         self._stage = topology.rank("pp")
         self._transport: Transport | None = None
         self._pending: list[tuple[nn.Parameter, Tensor | None]] | None = None
-        self._outside_checked = False
-        self._outside_owner: dict[str, int] = {}
+        self._shared_checked = False
+        self._shared_owner: dict[str, int] = {}
         self._named_metrics: dict[int, tuple[str, Metric]] | None = None  # by id: name in the module, the metric
         self._step_copies: dict[int, Metric] = {}  # per logged metric: a copy that sees one step's inputs
 
@@ -177,8 +183,14 @@ class PipelineEngine:
 
     @property
     def tied_parameters(self) -> list[nn.Parameter]:
-        """Parameters held by the first and the last stage (tied embedding and head); kept identical."""
-        return list(self._tied)
+        """Parameters held by the first and the last stage (tied embedding and head); kept identical. Empty on the
+        other stages. Looked up by name, so a parameter replaced after setup (materialised) is found."""
+        if not (self._topology.is_first_stage or self._topology.is_last_stage):
+            return []
+        return list({id(p): p for p in self._parameters(self._outside.tied)}.values())
+
+    def _parameters(self, names: Sequence[str]) -> list[nn.Parameter]:
+        return [self._module.get_parameter(name) for name in names]
 
     # -- steps -----------------------------------------------------------------------------------------------
 
@@ -432,57 +444,58 @@ class PipelineEngine:
 
     def _reduce_gradients(self) -> None:
         topology = self._topology
-        if self._tied and (topology.is_first_stage or topology.is_last_stage):
-            for param in self._tied:
+        tied = self.tied_parameters
+        if tied:
+            for param in tied:
                 if param.grad is None:
                     param.grad = torch.zeros_like(param)
-            _all_reduce([p.grad for p in self._tied], topology.group("embedding"), divide_by=1)
-        if topology.dp > 1:
+            _all_reduce([p.grad for p in tied], topology.group("embedding"), divide_by=1)
+        if topology.dp > 1 and not self._config.shard_optimizer_state:  # sharded: the optimizer reduce-scatters
             grads = [p.grad for p in self._trainable() if p.grad is not None]
             _all_reduce(grads, topology.group("dp"), divide_by=topology.dp)
-        if not self._outside_checked:
-            self._outside_checked = True
-            self._check_outside_parameters()
+        if not self._shared_checked:
+            self._shared_checked = True
+            self._check_shared_parameters()
 
-    def _check_outside_parameters(self) -> None:
-        """Once, at the first synchronised step: learn which stage trains each parameter outside the trunk, and
-        refuse one trained on several stages unless it is tied (registered under two names, kept in sync)."""
-        if not self._outside:
-            self._outside_owner = {}
+    def _check_shared_parameters(self) -> None:
+        """Once, at the first synchronised step: learn which stage trains each parameter that every stage holds
+        (set directly on the LightningModule), and refuse one trained on several stages."""
+        names = self._outside.shared
+        if not names:
             return
         stages = self._topology.pp
-        used = torch.zeros(stages, len(self._outside), device=self._device())
-        used[self._stage] = torch.tensor([float(p.grad is not None) for _, p in self._outside])
+        used = torch.zeros(stages, len(names), device=self._device())
+        used[self._stage] = torch.tensor([float(p.grad is not None) for p in self._parameters(names)])
         dist.all_reduce(used, group=self._topology.group("pp"))
         table = used.t().tolist()  # sync: once per run
-        shared = [name for (name, _), row in zip(self._outside, table, strict=True) if sum(row) > 1]
-        if shared:
+        several = [name for name, row in zip(names, table, strict=True) if sum(row) > 1]
+        if several:
             raise ValueError(
-                f"parameters outside the pipelined trunk got gradients on several pipeline stages: {shared}. Each "
+                f"parameters outside the pipelined trunk got gradients on several pipeline stages: {several}. Each "
                 "stage holds its own copy, so they would drift apart. If a weight is shared (an embedding reused "
                 "by the output head), register it in both modules, e.g. `self.lm_head.weight = self.wte.weight`, "
                 "and lightning_smp sums its gradients over the first and last stage; otherwise use it on one side "
                 "of the trunk only."
             )
-        self._outside_owner = {
-            name: max(range(stages), key=row.__getitem__) for (name, _), row in zip(self._outside, table, strict=True)
+        self._shared_owner = {
+            name: max(range(stages), key=row.__getitem__) for name, row in zip(names, table, strict=True)
         }
 
     def owned_parameter_names(self) -> set[str]:
         """Names (in the LightningModule) of the parameters whose copy on this rank is the trained one: its trunk
-        children, the tied parameters on the first stage, and the other parameters outside the trunk on the stage
-        that uses them (known after the first optimizer step; before it, stage 0 holds them). Every parameter is
-        owned by exactly one stage; a checkpoint takes each from its owner."""
+        children, the modules outside the trunk on its side of it, the tied parameters on the first stage, and
+        the parameters every stage holds on the stage that uses them (known after the first optimizer step;
+        before it, stage 0 holds them). Every parameter is owned by exactly one stage; a checkpoint takes each
+        from its owner."""
         prefix = f"{self._plan.trunk}."
-        tied = {id(p) for p in self._tied}
         names = set()
-        for name, param in self._module.named_parameters(remove_duplicate=False):
+        for name, _ in self._module.named_parameters(remove_duplicate=False):
             if name.startswith(prefix):
                 names.add(name)
-            elif id(param) in tied:
-                if self._topology.is_first_stage:
+            elif name in self._outside.shared:
+                if self._shared_owner.get(name, 0) == self._stage:
                     names.add(name)
-            elif self._outside_owner.get(name, 0) == self._stage:
+            elif self._outside.side_of(name) in (self._stage, None):
                 names.add(name)
         return names
 
@@ -608,34 +621,3 @@ def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
         buckets[-1].append(tensor)
         size += tensor.numel()
     return [bucket for bucket in buckets if bucket]
-
-
-def _classify_parameters(
-    module: nn.Module, plan: PartitionPlan
-) -> tuple[list[nn.Parameter], list[tuple[str, nn.Parameter]]]:
-    """Tied parameters (outside the trunk, registered under several names) and the other outside parameters;
-    refuses parameters shared across stages in ways the pipeline cannot keep in sync."""
-    prefix = f"{plan.trunk}." if plan.trunk else ""
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        params[id(param)] = param
-    tied, outside = [], []
-    for key, found in names.items():
-        stages = {plan.stage_of(int(n[len(prefix) :].split(".")[0])) for n in found if n.startswith(prefix)}
-        outside_names = [n for n in found if not n.startswith(prefix)]
-        if len(stages) > 1 or (stages and outside_names):
-            where = ", ".join(found)
-            raise ValueError(
-                f"one parameter is shared by {where}, which run on different pipeline stages; the pipeline keeps "
-                "only tied weights outside the trunk (an embedding and its output head) in sync. Place the "
-                "modules sharing it on one stage (partition=...), or give each its own parameter."
-            )
-        if stages:
-            continue
-        if len(outside_names) > 1:
-            tied.append(params[key])
-        else:
-            outside.append((outside_names[0], params[key]))
-    return tied, outside

@@ -1,5 +1,5 @@
-"""One rank's stage of the trunk: placeholders for the children other stages hold, and the routing of each
-child's call while a pipelined step runs.
+"""One rank's stage: placeholders for the trunk children and the outside modules other stages hold, and the
+routing of each trunk child's call while a pipelined step runs.
 
 Owns what happens when the user's code runs the trunk on this rank: children before this call's chunk pass
 their input through (they are computed elsewhere), the chunk's first child takes the activation received from
@@ -8,7 +8,11 @@ user's step through `StageExit` (a BaseException, so ``except Exception`` in use
 carrying the output to send. It also checks, as the children run, that the trunk really is sequential: each
 child takes the previous child's output as its first argument, and no extra argument needs a gradient (a skip
 connection that would cross a stage boundary). Outside a pipelined step every owned child runs normally.
-Not owned: sending, receiving and the schedule (`runtime.py`), the plan (`partition.py`).
+A module outside the trunk that this stage does not hold (`OutsidePlan`) becomes a `StandIn`: the code before the
+trunk still runs on every stage (smp's semantics), but on a later stage its modules return cheap placeholders
+(zeros of the right shape, found by running the module on the meta device) where the first stage computes; the
+trunk's first child of the stage takes the received activation instead. Not owned: sending, receiving and the
+schedule (`runtime.py`), the plan (`partition.py`).
 """
 
 from __future__ import annotations
@@ -20,11 +24,12 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from lightning_smp.pipeline.p2p import NOTHING
-from lightning_smp.pipeline.partition import PartitionPlan
+from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan
 
-__all__ = ["StageExit", "TrunkRouter", "check_chain", "check_no_skip_connection"]
+__all__ = ["StageExit", "StandIn", "TrunkRouter", "check_chain", "check_no_skip_connection", "hold_outside"]
 
 
 class StageExit(BaseException):
@@ -105,6 +110,19 @@ class TrunkRouter:
         finally:
             self._call = None
 
+    def _check_outside_call(self, name: str, holder: int, *, before: bool) -> None:
+        """Raise if a stand-in for the module ``name`` runs on the wrong side of the trunk in a pipelined step."""
+        call = self._call
+        if call is None or before != (call.next_index > 0):
+            return
+        registered, ran = ("before", "once the trunk had started") if before else ("after", "before the trunk")
+        raise RuntimeError(
+            f"{name!r} is registered {registered} the pipelined trunk {self._plan.trunk!r} in the LightningModule, "
+            f"so only pipeline stage {holder} holds it, but it ran {ran} on stage {self._stage}. lightning_smp places "
+            "the modules outside the trunk by their registration order in __init__: register it on the side of the "
+            "trunk where it runs."
+        )
+
     def _route(self, index: int, forward: Callable[..., Any] | None, args: tuple, kwargs: dict) -> Any:
         call = self._call
         if call is None:  # outside a pipelined step (ModelSummary, user code): owned children run as usual
@@ -142,6 +160,126 @@ class TrunkRouter:
         if index == len(self._plan.children) - 1:
             call.finished = True
         return output
+
+
+class StandIn(nn.Module):
+    """Stands in for a module outside the trunk that another stage holds (`OutsidePlan`).
+
+    It keeps the parameters of the module that this stage holds anyway (a tied weight, under its original
+    names) and a copy of the module on the meta device (no memory), which it runs on its inputs to learn the
+    output's shape and dtype; it returns zeros of that shape on its inputs' device (real ones, not an expanded
+    scalar, so that code writing into them in place, ``x += pos``, still runs).
+    Called at the wrong side of the trunk during a pipelined step (registered after the trunk but run before
+    it, or the reverse) it raises: the placement follows the registration order.
+    """
+
+    def __init__(
+        self, module: nn.Module, *, name: str, holder: int, before: bool, router: TrunkRouter, held: set[int]
+    ) -> None:
+        super().__init__()
+        for param_name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in held:
+                _register_parameter(self, param_name, param)
+        self._held_name = name
+        self._holder = holder
+        self._before = before
+        object.__setattr__(self, "_router", router)  # not a submodule
+        object.__setattr__(self, "_shapes", _on_meta(module))  # not a submodule: no state, no conversion
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._router._check_outside_call(self._held_name, self._holder, before=self._before)
+        try:
+            with torch.no_grad():
+                shapes = self._shapes(*tree_map(_meta_like, args), **tree_map(_meta_like, kwargs))
+        except Exception as error:
+            raise RuntimeError(
+                f"{self._held_name!r} runs on pipeline stage {self._holder} only; on stage {self._router.stage} "
+                "lightning_smp runs it on the meta device to give the code around it a placeholder of the right "
+                f"shape, which failed ({type(error).__name__}: {error}). Keep data-dependent code (.item(), "
+                "bool(tensor)) out of the modules outside the trunk, or move this module into the trunk."
+            ) from error
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        device = inputs[0].device if inputs else torch.device("cpu")
+
+        def placeholder(value: Any) -> Any:
+            if isinstance(value, Tensor) and value.is_meta:
+                return torch.zeros(value.shape, dtype=value.dtype, device=device)
+            return value
+
+        return tree_map(placeholder, shapes)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> StandIn:
+        # Follow the model's casts (precision conversion): the placeholders take the dtype the module would give.
+        super()._apply(fn, recurse)
+        self._shapes._apply(lambda t: t.to(fn(torch.zeros((), dtype=t.dtype)).dtype))
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or "_shapes" not in self.__dict__:  # private, or not built yet (copy, pickle)
+                raise
+        value = getattr(self.__dict__["_shapes"], name, None)
+        if value is not None and not isinstance(value, Tensor | nn.Module):
+            return value  # a setting of the module (e.g. embedding_dim): the same on every stage
+        raise AttributeError(
+            f"{self._held_name!r} lives on pipeline stage {self._holder} only, but stage {self._router.stage} used "
+            f"its attribute {name!r}. If a weight is shared with a module on the other side of the trunk (an "
+            "embedding reused by the output head), register it in both, e.g. `self.head.weight = self.wte.weight`, "
+            "and both stages hold it, kept in sync."
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self._held_name} runs on pipeline stage {self._holder}"
+
+
+def hold_outside(root: nn.Module, outside: OutsidePlan, router: TrunkRouter) -> None:
+    """Replace, in place, the modules outside the trunk that ``router``'s stage does not hold by `StandIn`s."""
+    dropped = outside.dropped(router.stage)
+    held = {
+        id(param)
+        for name, param in root.named_parameters(remove_duplicate=False)
+        if not any(name.startswith(f"{module}.") for module in dropped)
+    }
+    for name in dropped:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = root.get_submodule(parent_name)
+        before = name in outside.before
+        holder = 0 if before else outside.stages - 1
+        parent._modules[leaf] = StandIn(
+            parent._modules[leaf], name=name, holder=holder, before=before, router=router, held=held
+        )
+
+
+def _register_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` as ``module.<name>`` (dotted: in empty container modules created on the way)."""
+    *path, leaf = name.split(".")
+    for part in path:
+        if part not in module._modules:
+            module._modules[part] = nn.Module()
+        module = module._modules[part]
+    module._parameters[leaf] = param
+
+
+def _on_meta(module: nn.Module) -> nn.Module:
+    """``module`` itself, its parameters and buffers replaced by meta tensors of their shapes and dtypes (new
+    objects: a weight it shares with another module stays untouched), without tensor-parallel groups."""
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            if param is not None:
+                sub._parameters[name] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
+        for name, buffer in sub._buffers.items():
+            if buffer is not None:
+                sub._buffers[name] = torch.empty_like(buffer, device="meta")
+        forget_group = getattr(sub, "tp_forget_group", None)
+        if forget_group is not None:
+            forget_group()  # the whole-layer forward: no collective on meta tensors
+    return module
+
+
+def _meta_like(value: Any) -> Any:
+    return value.to("meta") if isinstance(value, Tensor) else value
 
 
 class _RoutedForward:

@@ -1,11 +1,12 @@
 """Tensor parallelism (Megatron-style): layers split over the ranks of a tensor-parallel group, and the automatic
 split of a whole model.
 
-Owns the distributed layers (``linear``, ``vocab``, ``attention``, ``transformer``), their collectives (``comm``),
-the shard bookkeeping (``shard``), dropout streams (``rng``), which modules were created tensor-parallel
-(``creation``), the pure decision of what to split (``plan``) and its execution (``parallelize``). It does not own
-the process groups (``topology.py``), the gradient all-reduce over data-parallel replicas (the strategy) or the
-master weights (``optimizer.py``).
+Owns the distributed layers (``linear``, ``vocab``, ``attention``, ``transformer``, ``replicated``, and
+``hf_layers`` for transformers' GPT-2), their collectives (``comm``), the shard bookkeeping (``shard``), dropout
+streams (``rng``), which modules were created tensor-parallel (``creation``), the pure decision of what to split
+(``plan``, reading a Hugging Face model's own plan through ``hf_plan``) and its execution (``parallelize``). It
+does not own the process groups (``topology.py``), the gradient all-reduce over data-parallel replicas (the
+strategy) or the master weights (``optimizer.py``).
 
 Why explicit collectives and not DTensor: a model is built whole and each rank keeps plain-tensor shards, so the
 fp16 master-weight optimizer keeps its flat fp32 buffers and ``torch._foreach_*`` kernels (which take plain
@@ -19,7 +20,13 @@ from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttentio
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
 from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
-from lightning_smp.tensor_parallel.linear import ColumnParallelLinear, DistributedLinear, RowParallelLinear
+from lightning_smp.tensor_parallel.linear import (
+    ColumnParallelLinear,
+    DistributedLinear,
+    GatheredColumnParallelLinear,
+    PackedColumnParallelLinear,
+    RowParallelLinear,
+)
 from lightning_smp.tensor_parallel.parallelize import parallelize
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 from lightning_smp.tensor_parallel.shard import ShardSpec, gather_shards, merge_shards, shard_of, slice_shard
@@ -34,6 +41,8 @@ __all__ = [
     "DistributedMultiheadAttention",
     "DistributedTransformerDecoderLayer",
     "DistributedTransformerLayer",
+    "GatheredColumnParallelLinear",
+    "PackedColumnParallelLinear",
     "RowParallelLinear",
     "ShardSpec",
     "TPShard",

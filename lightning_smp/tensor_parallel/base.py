@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_smp.placement import TPShard, place_tp_shard
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
-from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard
+from lightning_smp.tensor_parallel.shard import ShardSpec, remember_meta_whole, shard_of, slice_shard
 
 __all__ = ["TensorParallel", "TensorParallelModule"]
 
@@ -104,5 +104,7 @@ def shard_parameter(
             data = slice_shard(whole.detach(), spec, tp.rank, tp.size).clone(memory_format=torch.contiguous_format)
         piece = nn.Parameter(data, requires_grad=whole.requires_grad)
         place_tp_shard(piece, TPShard(spec.dim, tp.rank, tp.size, spec.blocks))
+        if whole.is_meta:  # delayed initialisation: materialised once the pipeline has pruned what this rank drops
+            remember_meta_whole(piece, whole)
         shared[id(whole)] = piece
     module._parameters[name] = piece

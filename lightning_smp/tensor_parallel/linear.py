@@ -1,4 +1,5 @@
-"""Column- and row-parallel ``nn.Linear`` (Megatron's ColumnParallelLinear / RowParallelLinear), and smp's
+"""Column- and row-parallel ``nn.Linear`` (Megatron's ColumnParallelLinear / RowParallelLinear), their variants
+for the plan styles of Hugging Face transformers (gathered output, packed [gate; up] weights), and smp's
 ``DistributedLinear``. Each is an ``nn.Linear`` built whole and split by `parallelize`.
 
 A column-parallel layer keeps rows of the weight (output features): whole input in, this rank's output features
@@ -19,7 +20,13 @@ from lightning_smp.tensor_parallel.base import TensorParallelModule
 from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
 from lightning_smp.tensor_parallel.shard import ShardSpec
 
-__all__ = ["ColumnParallelLinear", "DistributedLinear", "RowParallelLinear"]
+__all__ = [
+    "ColumnParallelLinear",
+    "DistributedLinear",
+    "GatheredColumnParallelLinear",
+    "PackedColumnParallelLinear",
+    "RowParallelLinear",
+]
 
 
 class ColumnParallelLinear(TensorParallelModule, nn.Linear):
@@ -65,6 +72,37 @@ class ColumnParallelLinear(TensorParallelModule, nn.Linear):
     @override
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tp={self._tp.size if self._tp else 1}, gather_output={self.gather_output}"
+
+
+class GatheredColumnParallelLinear(ColumnParallelLinear):
+    """A `ColumnParallelLinear` whose output is all-gathered: whole input in, whole output out (the plan style
+    "colwise_gather_output", e.g. a language-model head whose logits a whole-vocabulary loss reads)."""
+
+    gather_output: bool = True
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **factory) -> None:
+        super().__init__(in_features, out_features, bias=bias, gather_output=True, **factory)
+
+
+class PackedColumnParallelLinear(ColumnParallelLinear):
+    """A `ColumnParallelLinear` over two weights packed along the output features, ``[gate; up]``: each rank keeps
+    its rows of each, so its output is ``[gate_r, up_r]`` and the model's own ``chunk(2, dim=-1)`` still finds
+    gate and up (the plan style "packed_colwise", a fused gate_up projection)."""
+
+    @override
+    @classmethod
+    def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
+        return {name: ShardSpec(0, blocks=2) for name in super().tp_shard_specs(module)}
+
+    @override
+    @classmethod
+    def tp_unsplittable(cls, module: nn.Module, tp_size: int) -> str | None:
+        if module.out_features % (2 * tp_size):
+            return (
+                f"out_features={module.out_features} (two packed weights) is not divisible by 2 x "
+                f"tensor_parallel_degree={tp_size}"
+            )
+        return None
 
 
 class RowParallelLinear(TensorParallelModule, nn.Linear):

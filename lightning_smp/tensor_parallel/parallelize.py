@@ -1,7 +1,9 @@
 """`parallelize`: split a whole model over this rank's tensor-parallel group, following `plan_tensor_parallel`.
 
-Called once per setup by the strategy, after ``configure_model`` built the whole model (the same on every rank)
-and before precision conversion, DDP and the optimizers, which then see only this rank's shards. It makes the
+Called once per setup by the strategy, after ``configure_model`` built the whole model (the same on every rank, or
+on the meta device for delayed initialisation: then the shards are meta tensors that remember their whole, and
+the strategy materialises them later) and before precision conversion, DDP and the optimizers, which then see
+only this rank's shards. It makes the
 ranks of each tensor-parallel group agree first (parameters, buffers and the default generator of tp-rank 0,
 so that an unseeded run still trains one consistent model), converts and slices each unit, and marks replicated
 parameters on tp ranks > 0 as norm duplicates so the global gradient norm counts each value once.
@@ -109,8 +111,10 @@ def _collective_device(topology: Topology) -> torch.device:
 
 @torch.no_grad()
 def _broadcast_unsharded_state(model: nn.Module, group: dist.ProcessGroup, device: torch.device) -> None:
-    """Copy tp-rank 0's parameters and buffers (those not sharded yet) to the other ranks of ``group``."""
+    """Copy tp-rank 0's parameters and buffers (those not sharded yet) to the other ranks of ``group``; tensors
+    on the meta device (delayed initialisation) get their values when materialised, the same on every rank."""
     tensors = [p.data for p in model.parameters() if shard_of(p) is None] + list(model.buffers())
+    tensors = [t for t in tensors if not t.is_meta]
     src = dist.get_global_rank(group, 0)
     for bucket in _buckets(tensors):
         flat = _flatten_dense_tensors(bucket).to(device)

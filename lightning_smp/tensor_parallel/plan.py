@@ -2,15 +2,20 @@
 
 A *unit* is a module split as a whole: a layer this package can split (``nn.TransformerEncoderLayer``,
 ``nn.TransformerDecoderLayer``, ``nn.MultiheadAttention``, ``nn.Embedding``) created under
-``smp.tensor_parallelism()``, one of our own tensor-parallel modules (always), or a module named by a
-``tensor_parallel_plan`` pattern. A unit stays whole when a size does not divide or when one of its weights is
-shared with a module that would split it differently (or not at all); automatic units then stay replicated with a
-warning, plan entries raise, because the user asked for exactly that split.
+``smp.tensor_parallelism()``, one of our own tensor-parallel modules (always), a module named by a
+``tensor_parallel_plan`` pattern, or a module named by the plan of a Hugging Face transformers model created
+tensor-parallel (``hf_plan.py``; the user's patterns override its entries). A unit stays whole when a size does not
+divide or when one of its weights is shared with a module that would split it differently (or not at all);
+automatic and model-plan units then stay replicated with a warning, user plan entries raise, because the user
+asked for exactly that split. Model-plan entries that pass a split activation to each other (a "colwise" layer
+feeding a "rowwise" one) split together or stay whole together, and so do their neighbours when an entry's style
+is one lightning_smp cannot honour.
 """
 
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
@@ -19,17 +24,26 @@ from typing import Literal
 from torch import nn
 
 from lightning_smp.config import TENSOR_PARALLEL_STYLES
+from lightning_smp.tensor_parallel import hf_plan
 from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttention
 from lightning_smp.tensor_parallel.base import TensorParallelModule
 from lightning_smp.tensor_parallel.creation import creation_setting
-from lightning_smp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from lightning_smp.tensor_parallel.linear import (
+    ColumnParallelLinear,
+    DistributedLinear,
+    GatheredColumnParallelLinear,
+    PackedColumnParallelLinear,
+    RowParallelLinear,
+)
+from lightning_smp.tensor_parallel.replicated import GradientSummed, gradient_summed_class
 from lightning_smp.tensor_parallel.shard import ShardSpec
 from lightning_smp.tensor_parallel.transformer import DistributedTransformerDecoderLayer, DistributedTransformerLayer
 from lightning_smp.tensor_parallel.vocab import DistributedEmbedding
 
 __all__ = ["TensorParallelPlan", "Unit", "plan_tensor_parallel"]
 
-# torch class -> the tensor-parallel class it becomes, per plan style ("auto": what the context converts)
+# torch class -> the tensor-parallel class it becomes, per plan style ("auto": what the context converts);
+# transformers' own classes are in hf_layers.LAYERS_BY_STYLE, any class answers to "replicated_with_grad_allreduce"
 _AUTOMATIC: dict[type[nn.Module], type[TensorParallelModule]] = {
     nn.TransformerEncoderLayer: DistributedTransformerLayer,
     nn.TransformerDecoderLayer: DistributedTransformerDecoderLayer,
@@ -39,15 +53,29 @@ _AUTOMATIC: dict[type[nn.Module], type[TensorParallelModule]] = {
 _BY_STYLE: dict[str, dict[type[nn.Module], type[TensorParallelModule]]] = {
     "auto": _AUTOMATIC,
     "colwise": {nn.Linear: ColumnParallelLinear},
+    "colwise_gather_output": {nn.Linear: GatheredColumnParallelLinear},
+    "colwise_rep": {nn.Linear: GatheredColumnParallelLinear},
     "rowwise": {nn.Linear: RowParallelLinear},
+    "rowwise_split_input": {nn.Linear: DistributedLinear},
+    "rowwise_rep": {nn.Linear: DistributedLinear},
+    "packed_colwise": {nn.Linear: PackedColumnParallelLinear},
     "vocab": {nn.Embedding: DistributedEmbedding},
+    "embedding_rowwise": {nn.Embedding: DistributedEmbedding},
 }
 # what an already tensor-parallel module must be to answer to a style
 _STYLE_BASES: dict[str, type[TensorParallelModule]] = {
     "colwise": ColumnParallelLinear,
+    "colwise_gather_output": GatheredColumnParallelLinear,
+    "colwise_rep": GatheredColumnParallelLinear,
     "rowwise": RowParallelLinear,
+    "rowwise_split_input": DistributedLinear,
+    "rowwise_rep": DistributedLinear,
+    "packed_colwise": PackedColumnParallelLinear,
     "vocab": DistributedEmbedding,
+    "embedding_rowwise": DistributedEmbedding,
+    "replicated_with_grad_allreduce": GradientSummed,
 }
+_LAYER_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$|\W)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,8 +87,9 @@ class Unit:
     module: nn.Module
     target: type[TensorParallelModule]
     """The class it has once converted (its own class if it is tensor-parallel already)."""
-    source: Literal["plan", "context", "module"]
-    """Why it is split: a plan pattern, ``smp.tensor_parallelism()``, or its own (tensor-parallel) class."""
+    source: Literal["plan", "model", "context", "module"]
+    """Why it is split: a user plan pattern, the plan of a transformers model, ``smp.tensor_parallelism()``, or its
+    own (tensor-parallel) class."""
 
     @property
     def label(self) -> str:
@@ -83,12 +112,18 @@ def plan_tensor_parallel(
     model: nn.Module, *, tp_size: int, patterns: Mapping[str, str] | None = None
 ) -> TensorParallelPlan:
     """Which modules of ``model`` to split ``tp_size`` ways; raises ``ValueError`` for an unusable ``patterns``."""
-    patterns = dict(patterns or {})
-    units, created = _find_units(model, patterns)
+    found = _find_units(model, dict(patterns or {}))
+    units = found.units
     reasons = {id(unit): unit.target.tp_unsplittable(unit.module, tp_size) for unit in units}
+    for unit in units:
+        if unit.source == "model" and reasons[id(unit)] is None:
+            reasons[id(unit)] = _heads_reason(model, unit, tp_size)
+    group_reasons: dict[str, tuple[str, str]] = {}
+    _hold_linked(found, reasons, group_reasons)
     candidates = [unit for unit in units if reasons[id(unit)] is None]
     for unit, reason in _shared_weight_conflicts(model, candidates).items():
         reasons[id(unit)] = reason
+    _hold_linked(found, reasons, group_reasons)
     refused = [f"{unit.label}: {reasons[id(unit)]}" for unit in units if unit.source == "plan" and reasons[id(unit)]]
     if refused:
         raise ValueError(
@@ -96,14 +131,17 @@ def plan_tensor_parallel(
             "Make the sizes divisible by tensor_parallel_degree, untie the weight (or give every module that "
             "shares it the same split), or remove the entry."
         )
-    kept = tuple((unit.label, reasons[id(unit)]) for unit in units if reasons[id(unit)] is not None)
+    kept = [(unit.label, reasons[id(unit)]) for unit in units if unit.source != "model" and reasons[id(unit)]]
+    kept += _model_groups_kept(found, group_reasons)
     split = tuple(unit for unit in units if reasons[id(unit)] is None)
     specs = {
         f"{unit.name}.{name}" if unit.name else name: spec
         for unit in split
         for name, spec in unit.target.tp_shard_specs(unit.module).items()
     }
-    return TensorParallelPlan(units=split, kept_whole=kept, created_tensor_parallel=created, sharded_specs=specs)
+    return TensorParallelPlan(
+        units=split, kept_whole=tuple(kept), created_tensor_parallel=found.created, sharded_specs=specs
+    )
 
 
 def match_pattern(pattern: str, name: str) -> bool:
@@ -112,8 +150,18 @@ def match_pattern(pattern: str, name: str) -> bool:
     return len(parts) == len(pattern_parts) and all(map(fnmatchcase, parts, pattern_parts))
 
 
-def _find_units(model: nn.Module, patterns: dict[str, str]) -> tuple[list[Unit], int]:
-    names = [name for name, _ in model.named_modules() if name]
+@dataclass
+class _Found:
+    """What `_find_units` found: the units, and for units from a transformers model's plan the group each splits
+    with (``links``) and the plan entries that cannot be honoured (``refused``: label, group, reason)."""
+
+    units: list[Unit]
+    created: int
+    links: dict[str, str]
+    refused: list[tuple[str, str, str]]
+
+
+def _user_styles(names: list[str], patterns: dict[str, str]) -> dict[str, str]:
     styles: dict[str, str] = {}
     for pattern, style in patterns.items():
         matched = [name for name in names if match_pattern(pattern, name)]
@@ -128,12 +176,53 @@ def _find_units(model: nn.Module, patterns: dict[str, str]) -> tuple[list[Unit],
                     f"module {name!r} is matched by several tensor_parallel_plan patterns with different styles "
                     f"({styles[name]!r} and {style!r}); make the patterns name it once."
                 )
+    return styles
+
+
+def _model_styles(
+    model: nn.Module, names: list[str]
+) -> tuple[dict[str, tuple[str, str]], set[str], list[tuple[str, str, str]]]:
+    """Module name -> (style, link group) from the plans of the transformers models created tensor-parallel (the
+    outermost one of a nesting), the names of those models, and the entries that name a parameter (refused)."""
+    styles: dict[str, tuple[str, str]] = {}
+    roots: set[str] = set()
+    refused: list[tuple[str, str, str]] = []
+    for root_name, root in model.named_modules():
+        if any(not r or root_name.startswith(f"{r}.") for r in roots) or not hf_plan.is_transformers_model(root):
+            continue
+        setting = creation_setting(root)
+        plan = hf_plan.model_plan(root) if setting is not None and setting.enabled else None
+        if plan is None:
+            continue
+        roots.add(root_name)
+        prefix = f"{root_name}." if root_name else ""
+        modules = [name for name in names if name.startswith(prefix)]
+        parameters = [f"{prefix}{name}" for name, _ in root.named_parameters()]
+        for pattern, style in plan.entries.items():
+            for name in modules:
+                if match_pattern(prefix + pattern, name):
+                    styles.setdefault(name, (style, hf_plan.link_key(name, style, plan.link_up)))
+            if style == "replicate":
+                continue
+            for name in parameters:
+                if match_pattern(prefix + pattern, name):
+                    owner = name.rpartition(".")[0]
+                    group = hf_plan.link_key(owner, style, plan.link_up)
+                    refused.append((name, group, f"its plan entry {pattern!r}: {style!r} names a parameter"))
+    return styles, roots, refused
+
+
+def _find_units(model: nn.Module, patterns: dict[str, str]) -> _Found:
+    names = [name for name, _ in model.named_modules() if name]
+    styles = _user_styles(names, patterns)
+    model_styles, roots, refused = _model_styles(model, names)
     units: list[Unit] = []
+    links: dict[str, str] = {}
     seen: set[int] = set()
     reached: set[str] = set()
     created = 0
 
-    def visit(module: nn.Module, name: str) -> None:
+    def visit(module: nn.Module, name: str, automatic: bool) -> None:
         nonlocal created
         if id(module) in seen:
             return
@@ -149,17 +238,28 @@ def _find_units(model: nn.Module, patterns: dict[str, str]) -> tuple[list[Unit],
             if not module.tp_distributed:
                 units.append(Unit(name, module, type(module), "module"))
             return
+        if name in model_styles:
+            model_style, group = model_styles[name]
+            if model_style == "replicate":
+                return
+            target = _lookup_target(module, model_style) if model_style in hf_plan.HONOURED_STYLES else None
+            if target is None:
+                refused.append((f"{name} ({type(module).__name__})", group, _unhonoured(module, model_style)))
+            else:
+                units.append(Unit(name, module, target, "model"))
+                links[name] = group
+            return
         setting = creation_setting(module)
         if setting is not None and setting.enabled:
             created += 1
-            target = _AUTOMATIC.get(type(module))
+            target = _AUTOMATIC.get(type(module)) if automatic else None
             if target is not None and (target is not DistributedEmbedding or setting.distribute_embedding):
                 units.append(Unit(name, module, target, "context"))
                 return
         for child_name, child in module.named_children():
-            visit(child, f"{name}.{child_name}" if name else child_name)
+            visit(child, f"{name}.{child_name}" if name else child_name, automatic and name not in roots)
 
-    visit(model, "")
+    visit(model, "", "" not in roots)
     unreached = sorted(set(styles) - reached)
     if unreached:
         raise ValueError(
@@ -167,26 +267,91 @@ def _find_units(model: nn.Module, patterns: dict[str, str]) -> tuple[list[Unit],
             "as a whole (created under smp.tensor_parallelism() or tensor-parallel itself). Remove those entries, "
             "or give the enclosing module the style 'replicate' and plan its parts."
         )
-    return units, created
+    return _Found(units, created, links, refused)
+
+
+def _lookup_target(module: nn.Module, style: str) -> type[TensorParallelModule] | None:
+    """The tensor-parallel class ``module`` becomes under ``style``, or None when the style does not apply to it."""
+    if isinstance(module, TensorParallelModule):
+        base = _STYLE_BASES.get(style)
+        return type(module) if style == "auto" or (base is not None and isinstance(module, base)) else None
+    if style == "replicated_with_grad_allreduce":
+        return gradient_summed_class(type(module))
+    own = _BY_STYLE.get(style, {}).get(type(module))
+    return own or hf_plan.layers_by_style().get(style, {}).get(type(module))
 
 
 def _target_for_style(module: nn.Module, name: str, style: str) -> type[TensorParallelModule]:
     if style not in TENSOR_PARALLEL_STYLES:  # SMPConfig checks this; a direct caller may not have
         raise ValueError(f"unknown tensor-parallel style {style!r}; use one of {', '.join(TENSOR_PARALLEL_STYLES)}.")
-    if isinstance(module, TensorParallelModule):
-        base = _STYLE_BASES.get(style)
-        if style == "auto" or (base is not None and isinstance(module, base)):
-            return type(module)
-    else:
-        target = _BY_STYLE[style].get(type(module))
-        if target is not None:
-            return target
-    accepted = ", ".join(f"{cls.__name__}" for cls in _BY_STYLE[style])
+    target = _lookup_target(module, style)
+    if target is not None:
+        return target
+    classes = [*_BY_STYLE.get(style, {}), *hf_plan.layers_by_style().get(style, {})]
+    accepted = ", ".join(cls.__name__ for cls in classes)
     raise ValueError(
         f"tensor_parallel_plan gives {name!r} the style {style!r}, but it is a {type(module).__name__}; {style!r} "
         f"applies to exactly {accepted} (not subclasses, whose forward may differ) or to the matching "
         "lightning_smp tensor-parallel module."
     )
+
+
+def _unhonoured(module: nn.Module, style: str) -> str:
+    if style not in hf_plan.HONOURED_STYLES:
+        return f"lightning_smp cannot honour its plan style {style!r}"
+    return f"its plan style {style!r} does not apply to a {type(module).__name__}"
+
+
+def _heads_reason(model: nn.Module, unit: Unit, tp_size: int) -> str | None:
+    """Whether a projection of a transformers attention layer splits into whole heads (grouped-query attention has
+    fewer key/value heads than query heads: its k and v projections may not split where q does)."""
+    parent = model.get_submodule(unit.name.rpartition(".")[0])
+    target = unit.target
+    if issubclass(target, PackedColumnParallelLinear):
+        return None
+    if issubclass(target, ColumnParallelLinear) and not target.gather_output:
+        return hf_plan.heads_reason(parent, unit.module.out_features, tp_size, "out_features")
+    if issubclass(target, RowParallelLinear) and target.input_is_parallel:
+        return hf_plan.heads_reason(parent, unit.module.in_features, tp_size, "in_features")
+    return None
+
+
+def _hold_linked(found: _Found, reasons: dict[int, str | None], group_reasons: dict[str, tuple[str, str]]) -> None:
+    """Keep every model-plan unit of a group whole when one of them (or a refused entry) stays whole, and record
+    in ``group_reasons`` why each such group does: the first module found whole, and why."""
+    members: dict[str, list[Unit]] = {}
+    for unit in found.units:
+        if unit.source == "model":
+            members.setdefault(found.links[unit.name], []).append(unit)
+    for label, group, reason in found.refused:
+        group_reasons.setdefault(group, (label, reason))
+    for group, units in members.items():
+        if group not in group_reasons:
+            whole = next((unit for unit in units if reasons[id(unit)] is not None), None)
+            if whole is None:
+                continue
+            group_reasons[group] = (whole.label, reasons[id(whole)])
+        for unit in units:
+            if reasons[id(unit)] is None:
+                reasons[id(unit)] = f"it splits together with {group}, which stays whole"
+
+
+def _model_groups_kept(found: _Found, group_reasons: dict[str, tuple[str, str]]) -> list[tuple[str, str]]:
+    """One ``(label, reason)`` per group kept whole, with layer numbers as ``*`` so that a layer stack reads once."""
+    parts: dict[str, list[str]] = {}
+    for unit in found.units:
+        group = found.links.get(unit.name)
+        if unit.source == "model" and group in group_reasons:
+            parts.setdefault(group, []).append(unit.name)
+    for label, group, _ in found.refused:
+        parts.setdefault(group, []).append(label.split(" ")[0])
+    kept: dict[str, str] = {}
+    for group, (whole, reason) in group_reasons.items():
+        leaves = sorted({name[len(group) + 1 :] if group and name != group else name for name in parts[group]})
+        if len(leaves) > 1:  # name the group, then the module that keeps it whole
+            whole, reason = f"{group}.{{{', '.join(leaves)}}}".lstrip("."), f"{whole}: {reason}"
+        kept.setdefault(_LAYER_NUMBER.sub("*", whole), _LAYER_NUMBER.sub("*", reason))
+    return list(kept.items())
 
 
 def _shared_weight_conflicts(model: nn.Module, units: list[Unit]) -> dict[Unit, str]:

@@ -1,10 +1,11 @@
 """Where a tensor-parallel parameter's values come from: the one definition of a shard, and its pure arithmetic.
 
-Owns ``ShardSpec``, cutting a whole tensor into this rank's shard, and putting the shards back together (in
-memory, or across the group for tests and checkpoints). It does not decide what to shard (``plan.py``) nor when
-(``parallelize.py``), nor record which piece a parameter is (its `lightning_smp.placement.Placement`, whose
-``tp_shard`` is a `TPShard`). A parameter without a ``tp_shard`` is replicated: every rank of the tensor-parallel
-group holds the same whole tensor.
+Owns ``ShardSpec``, cutting a whole tensor into this rank's shard, putting the shards back together (in memory,
+or across the group for tests and checkpoints), and, for a model planned on the meta device (delayed
+initialisation), which whole tensor a shard is to be cut from once materialised. It does not decide what to
+shard (``plan.py``) nor when (``parallelize.py``), nor record which piece a parameter is (its
+`lightning_smp.placement.Placement`, whose ``tp_shard`` is a `TPShard`). A parameter without a ``tp_shard`` is
+replicated: every rank of the tensor-parallel group holds the same whole tensor.
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from torch import Tensor
 
 from lightning_smp.placement import TPShard, placement_of
 
-__all__ = ["ShardSpec", "gather_shards", "merge_shards", "shard_of", "slice_shard"]
+__all__ = [
+    "ShardSpec",
+    "gather_shards",
+    "merge_shards",
+    "remember_meta_whole",
+    "shard_of",
+    "slice_shard",
+    "take_meta_whole",
+]
+
+_META_WHOLE_ATTRIBUTE = "_smp_tp_meta_whole"  # read and written only in this module
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +62,18 @@ def slice_shard(whole: Tensor, spec: ShardSpec, index: int, parts: int) -> Tenso
     blocks = whole.chunk(spec.blocks, dim=spec.dim)
     pieces = [block.chunk(parts, dim=spec.dim)[index] for block in blocks]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=spec.dim)
+
+
+def remember_meta_whole(piece: Tensor, whole: Tensor) -> None:
+    """Note on a shard cut from a tensor on the meta device (a model built for delayed initialisation) the whole
+    tensor it comes from: the shard's value is only known once that whole is materialised and cut."""
+    setattr(piece, _META_WHOLE_ATTRIBUTE, whole)
+
+
+def take_meta_whole(piece: Tensor) -> Tensor | None:
+    """The meta whole tensor ``piece`` was cut from (`remember_meta_whole`), or None for any other tensor; forgotten
+    here, since it is asked for once, when the piece is materialised."""
+    return piece.__dict__.pop(_META_WHOLE_ATTRIBUTE, None)
 
 
 def merge_shards(pieces: Sequence[Tensor], spec: ShardSpec) -> Tensor:

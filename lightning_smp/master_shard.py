@@ -1,0 +1,338 @@
+"""This rank's fp32 master weights: all of them (`WholeMasters`), or a contiguous 1/dp share (`ShardedMasters`, ZeRO-1).
+
+Owns where the masters and their fp32 grads live, how the model's grads get into them (a copy, or a reduce-scatter
+over the data-parallel replicas), how updated masters get back into the model (a copy, or an all-gather), and the
+translation between what the inner optimizer updates and whole model parameters (checkpoints). Not owned: the
+order of an update and the overflow/norm vote (`optimizer.py`, `grad_vote.py`).
+Sharded, as smp did: one flat buffer per parameter dtype, padded to a multiple of dp; each replica owns a
+contiguous share of it, and the inner optimizer sees one 1-D piece per parameter that overlaps that share
+(Megatron's "shard main params"), so param groups, LR schedulers and element-wise optimizers work unchanged;
+optimizers that read a parameter's shape (Adafactor, Shampoo) do not. Megatron's distributed optimizer adds to this
+buckets of ~40M elements, each reduce-scattered by grad-ready hooks while backward still runs and all-gathered
+while the next forward runs; here the reduce-scatter and all-gather run whole, after backward and after the step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_smp.placement import placement_of
+
+__all__ = ["HALF_DTYPES", "ShardedMasters", "WholeMasters"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class WholeMasters:
+    """Every master on this rank: half-precision parameters get fp32 copies in one flat buffer (param-shaped views,
+    so unscale, overflow check and norm are one kernel each); fp32 parameters are their own masters."""
+
+    def __init__(self, params: Sequence[Tensor], device: torch.device) -> None:
+        self.half_params = [p for p in params if p.dtype in HALF_DTYPES]
+        self.own_params = [p for p in params if p.dtype not in HALF_DTYPES]
+        self._flat_master = torch.empty(sum(p.numel() for p in self.half_params), dtype=torch.float32, device=device)
+        self._flat_grad = torch.zeros_like(self._flat_master)
+        master_views = _views(self._flat_master, self.half_params)
+        self._grad_views = _views(self._flat_grad, self.half_params)
+        with torch.no_grad():
+            if self.half_params:
+                torch._foreach_copy_(master_views, self.half_params)
+        self.masters: list[Tensor] = []
+        for view, grad in zip(master_views, self._grad_views, strict=True):
+            master = nn.Parameter(view)
+            master.grad = grad
+            self.masters.append(master)
+        self._norm_counts = [placement_of(p).counts_in_norm for p in self.half_params + self.own_params]
+        self._grads_detached = False  # some masters had their grad set to None for one step (unused params)
+
+    @property
+    def params(self) -> list[Tensor]:
+        return self.half_params + self.own_params
+
+    def optimized(self) -> dict[int, Tensor]:
+        """id(model parameter) → the tensor the inner optimizer updates in its place."""
+        return {id(p): m for p, m in zip(self.half_params, self.masters, strict=True)} | {
+            id(p): p for p in self.own_params
+        }
+
+    def master_params(self) -> list[Tensor]:
+        return [*self.masters, *self.own_params]
+
+    def read_grads(self) -> None:
+        """Copy the half grads of the latest backward, still scaled, into the fp32 master grads."""
+        half_grads = [p.grad for p in self.half_params]
+        if any(g is None for g in half_grads):
+            # Unused parameters keep no gradient, like in the fp32 run: torch optimizers skip a param whose
+            # grad is None, so the master has none either for this step (restored in `after_step`). Its slot in
+            # the flat buffer is zeroed so a stale value counts neither for overflow nor for the norm.
+            present, missing = [], []
+            self._grads_detached = True
+            for master, grad, view in zip(self.masters, half_grads, self._grad_views, strict=True):
+                master.grad = None if grad is None else view
+                (missing if grad is None else present).append((view, grad))
+            torch._foreach_zero_([view for view, _ in missing])
+            if present:
+                torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
+        elif half_grads:
+            torch._foreach_copy_(self._grad_views, half_grads)
+
+    def all_half_grads(self) -> list[Tensor] | None:
+        """The half grads, when every half parameter has one (the fused fast path reads them directly)."""
+        grads = [p.grad for p in self.half_params]
+        return None if any(g is None for g in grads) else grads
+
+    def grads(self) -> list[Tensor]:
+        """Every fp32 grad the update reads: the flat master grad (one kernel) and the fp32 params' own grads."""
+        own = [p.grad for p in self.own_params if p.grad is not None]
+        return ([self._flat_grad] if self.half_params else []) + own
+
+    def counted_grads(self) -> list[Tensor]:
+        """The grads that count in the global norm: all of them (one flat kernel) unless some are duplicates."""
+        if all(self._norm_counts):
+            return self.grads()
+        grads = [master.grad for master in self.masters] + [p.grad for p in self.own_params]
+        return [g for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
+
+    def write_params(self) -> None:
+        """Copy the masters into the half-precision parameters."""
+        if self.half_params:
+            torch._foreach_copy_(self.half_params, self.masters)
+
+    def forget_group(self) -> None:
+        """Nothing to drop: whole masters need no process group."""
+
+    def after_step(self) -> None:
+        if self._grads_detached:
+            for master, view in zip(self.masters, self._grad_views, strict=True):
+                master.grad = view
+            self._grads_detached = False
+
+    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """Each model parameter with its fp32 master (itself when already fp32); the masters themselves."""
+        return [*zip(self.half_params, self.masters, strict=True), *((p, p) for p in self.own_params)]
+
+    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
+        """Set the masters from whole fp32 values by id(model parameter) (a master passed as its own value is
+        skipped), then the half-precision parameters from the masters."""
+        for param, master in self.whole_masters():
+            value = values.get(id(param))
+            if value is not None and value is not master:
+                master.copy_(value)
+        self.write_params()
+
+    def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
+        return [(p, dict(inner_state[m])) for p, m in self.whole_masters() if inner_state.get(m)]
+
+    def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Whole per-parameter states by id(model parameter) → states by id(the tensor the optimizer updates)."""
+        return {id(m): states[id(p)] for p, m in self.whole_masters() if id(p) in states}
+
+
+@dataclass
+class _Bucket:
+    """The parameters of one dtype, laid out flat and padded to a multiple of dp; this rank owns [lo, lo+share)."""
+
+    params: list[Tensor]
+    dtype: torch.dtype
+    padded: int
+    lo: int
+    master: Tensor  # (share,) fp32
+    grad: Tensor  # (share,) fp32
+
+
+@dataclass
+class _Piece:
+    """The part of one parameter's flattened elements [start, end) that lies in this rank's share."""
+
+    param: Tensor
+    bucket: _Bucket
+    start: int
+    end: int
+    at: int  # where the piece starts in the bucket's share
+    master: nn.Parameter  # a view of the bucket's master share; its grad a view of the grad share
+
+
+class ShardedMasters:
+    """This data-parallel rank's contiguous share of the flat fp32 masters of every parameter (ZeRO-1).
+
+    Args:
+        params: every parameter the optimizer updates, in its param groups' order.
+        device: where the shares live.
+        group: the data-parallel replicas that hold the same parameters.
+    """
+
+    def __init__(self, params: Sequence[Tensor], device: torch.device, group: dist.ProcessGroup) -> None:
+        self.params = list(params)
+        self._group = group
+        self._replicas = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for param in self.params:
+            by_dtype.setdefault(param.dtype, []).append(param)
+        self._buckets: list[_Bucket] = []
+        self._pieces: list[_Piece] = []
+        for dtype, same in by_dtype.items():
+            total = sum(p.numel() for p in same)
+            share = max(1, math.ceil(total / self._replicas))
+            master = torch.zeros(share, dtype=torch.float32, device=device)
+            bucket = _Bucket(same, dtype, share * self._replicas, rank * share, master, torch.zeros_like(master))
+            self._buckets.append(bucket)
+            for param, begin in zip(same, _offsets(same), strict=True):
+                start = max(begin, bucket.lo) - begin
+                end = min(begin + param.numel(), bucket.lo + share) - begin
+                if start >= end:
+                    continue
+                at = begin + start - bucket.lo
+                piece = nn.Parameter(master[at : at + end - start])
+                piece.grad = bucket.grad[at : at + end - start]
+                with torch.no_grad():
+                    piece.copy_(param.detach().reshape(-1)[start:end])
+                self._pieces.append(_Piece(param, bucket, start, end, at, piece))
+        self._counts = [placement_of(piece.param).counts_in_norm for piece in self._pieces]
+
+    def optimized(self) -> dict[int, Tensor]:
+        """id(model parameter) → its piece in this rank's share; parameters wholly in other shares are absent."""
+        return {id(piece.param): piece.master for piece in self._pieces}
+
+    def master_params(self) -> list[Tensor]:
+        return [piece.master for piece in self._pieces]
+
+    def read_grads(self) -> None:
+        """Average the model's grads over the replicas, each keeping its share (reduce-scatter, in the grads'
+        dtype as DDP's all-reduce is; divided first, as DDP averages), into the fp32 grad share. A parameter with no
+        grad contributes zeros (its state still advances, unlike an unsharded step)."""
+        for bucket in self._buckets:
+            flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.grad.device)
+            views = _views(flat, bucket.params)
+            present = [(view, p.grad) for view, p in zip(views, bucket.params, strict=True) if p.grad is not None]
+            if present:
+                torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
+            flat.div_(self._replicas)
+            share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
+            dist.reduce_scatter_tensor(share, flat, group=self._group)
+            if share is not bucket.grad:
+                bucket.grad.copy_(share)
+
+    def all_half_grads(self) -> None:
+        return None  # the grads are this rank's share only after a reduce-scatter: no fused fast path
+
+    def grads(self) -> list[Tensor]:
+        return [bucket.grad for bucket in self._buckets]
+
+    def counted_grads(self) -> list[Tensor]:
+        if all(self._counts):
+            return self.grads()  # the padding is zero
+        return [piece.master.grad for piece, counts in zip(self._pieces, self._counts, strict=True) if counts]
+
+    def write_params(self) -> None:
+        """All-gather the updated shares into every replica's parameters (in their dtype)."""
+        for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda bucket: bucket.dtype):
+            torch._foreach_copy_(bucket.params, _views(full, bucket.params))
+
+    def after_step(self) -> None:
+        pass
+
+    def forget_group(self) -> None:
+        """Drop the replicas' group (destroyed at interpreter exit); the masters can no longer be used."""
+        self._group = None
+
+    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """Each model parameter with its whole fp32 master, gathered from every replica's share (collective: every
+        replica calls it; new tensors)."""
+        pairs = []
+        for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda _: torch.float32):
+            pairs += [(p, v.view_as(p)) for v, p in zip(_views(full, bucket.params), bucket.params, strict=True)]
+        return pairs
+
+    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
+        """Take this rank's share of whole fp32 values by id(model parameter), then all-gather into the params."""
+        for piece in self._pieces:
+            value = values.get(id(piece.param))
+            if value is not None:
+                piece.master.copy_(value.reshape(-1)[piece.start : piece.end])
+        self.write_params()
+
+    def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
+        """The optimizer state of every parameter with a piece on this rank, whole and shaped like the parameter:
+        element-wise state is all-gathered from every replica's share (collective; a transient whole copy),
+        scalar state (a step count) is this rank's."""
+        tensor_keys = self._elementwise_keys(inner_state)
+        states: dict[int, dict[str, Any]] = {}
+        for piece in self._pieces:
+            state = inner_state.get(piece.master)
+            if state:
+                states[id(piece.param)] = {k: v for k, v in state.items() if k not in tensor_keys}
+        for key in tensor_keys:
+            for bucket, full in self._gathered(
+                lambda bucket, key=key: self._state_share(bucket, inner_state, key), dtype_of=lambda _: torch.float32
+            ):
+                for view, param in zip(_views(full, bucket.params), bucket.params, strict=True):
+                    if id(param) in states:
+                        states[id(param)][key] = view.view_as(param)
+        return [(piece.param, states[id(piece.param)]) for piece in self._pieces if id(piece.param) in states]
+
+    def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Whole per-parameter states by id(model parameter) → this rank's pieces of them by id(piece)."""
+        pieces = {}
+        for piece in self._pieces:
+            state = states.get(id(piece.param))
+            if state is not None:
+                pieces[id(piece.master)] = {
+                    key: value.reshape(-1)[piece.start : piece.end].clone()
+                    if _elementwise(value, piece.param)
+                    else value
+                    for key, value in state.items()
+                }
+        return pieces
+
+    def _elementwise_keys(self, inner_state: dict[Tensor, Any]) -> list[str]:
+        """The state keys shaped like their piece, agreed by every replica (checkpoints only: an object gather)."""
+        mine = sorted(
+            {
+                key
+                for piece in self._pieces
+                for key, value in inner_state.get(piece.master, {}).items()
+                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == piece.master.shape
+            }
+        )
+        gathered: list[list[str]] = [[] for _ in range(self._replicas)]
+        dist.all_gather_object(gathered, mine, group=self._group)
+        return sorted({key for keys in gathered for key in keys})
+
+    def _state_share(self, bucket: _Bucket, inner_state: dict[Tensor, Any], key: str) -> Tensor:
+        share = torch.zeros_like(bucket.master)
+        for piece in self._pieces:
+            value = inner_state.get(piece.master, {}).get(key)
+            if piece.bucket is bucket and value is not None:
+                share[piece.at : piece.at + piece.end - piece.start].copy_(value)
+        return share
+
+    def _gathered(self, share_of: Any, *, dtype_of: Any) -> Iterator[tuple[_Bucket, Tensor]]:
+        for bucket in self._buckets:
+            dtype = dtype_of(bucket)
+            full = torch.empty(bucket.padded, dtype=dtype, device=bucket.master.device)
+            dist.all_gather_into_tensor(full, share_of(bucket).to(dtype), group=self._group)
+            yield bucket, full
+
+
+def _elementwise(value: Any, param: Tensor) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == param.numel()
+
+
+def _offsets(params: Sequence[Tensor]) -> list[int]:
+    offsets, offset = [], 0
+    for param in params:
+        offsets.append(offset)
+        offset += param.numel()
+    return offsets
+
+
+def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
+    return [flat[o : o + p.numel()].view_as(p) for o, p in zip(_offsets(params), params, strict=True)]

@@ -1,0 +1,495 @@
+"""The memory planner: what each rank of a pp × tp × dp layout holds, computed before any process starts.
+
+Owns the arithmetic only: bytes per element of parameters, gradients, fp32 masters and optimizer state, the
+activation estimate of Korthikanti et al. 2022 (Table 2), whether the largest rank fits a device, and the search
+over layouts for a device count. What a rank holds is not re-derived here: the package's own pure plans run on the
+model (best built on the meta device) — ``plan_tensor_parallel`` says which parameters each tensor-parallel rank
+keeps 1/tp of, ``find_trunk`` / ``describe_children`` / ``plan_partition`` which trunk children each stage keeps,
+``plan_outside`` which stages keep the modules outside the trunk, the pipeline schedule how many microbatches a
+stage holds at once — so the estimate follows the code that trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_smp.config import SMPConfig
+from lightning_smp.pipeline import schedule as schedules
+from lightning_smp.pipeline.partition import (
+    OutsidePlan,
+    PartitionPlan,
+    assigned_partition,
+    describe_children,
+    find_trunk,
+    plan_outside,
+    plan_partition,
+)
+from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
+from lightning_smp.topology import rank_groups
+
+__all__ = [
+    "Layout",
+    "MemoryReport",
+    "RankMemory",
+    "estimate_memory",
+    "fitting_layouts",
+    "format_bytes",
+    "layouts_table",
+    "parse_bytes",
+]
+
+_OPTIMIZER_STATES = 2  # Adam/AdamW: exp_avg and exp_avg_sq, in the dtype of what the optimizer updates
+_MASTER_BYTES = 4  # fp32
+_TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+ASSUMPTIONS = (
+    "optimizer: Adam-like, 2 states per trained element in the updated dtype (fp32 masters under fp16/bf16), "
+    "step counters not counted",
+    "fp16/bf16: 16-bit parameters and gradients, fp32 masters and fp32 master gradients (one flat buffer each), "
+    "BatchNorm kept in fp32 with no master",
+    "frozen parameters (requires_grad=False) hold only their weights",
+    "not counted: buffers, the framework and allocator overhead, communication buffers",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Degrees of one layout; ``pp * tp * dp`` devices.
+
+    Sharding over the data-parallel replicas (smp's ``shard_optimizer_state``, sharded data parallelism) does not
+    exist yet; when it does, its setting belongs here, `_layouts` enumerates it, and `_report` divides the
+    sharded kinds by dp."""
+
+    pp: int
+    tp: int
+    dp: int
+
+    @property
+    def devices(self) -> int:
+        return self.pp * self.tp * self.dp
+
+    @property
+    def model_parallel(self) -> int:
+        return self.pp * self.tp
+
+    def __str__(self) -> str:
+        return f"pp={self.pp} x tp={self.tp} x dp={self.dp}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankMemory:
+    """Bytes held by each rank of one pipeline stage (its tensor-parallel and data-parallel ranks hold the same)."""
+
+    stage: int
+    ranks: tuple[int, ...]
+    """Global ranks of this stage, under the config's ``placement_strategy``."""
+    parameters: int
+    gradients: int
+    """Gradients in the parameters' dtype (``.grad``)."""
+    masters: int
+    """fp32 master weights (0 in fp32 training)."""
+    master_gradients: int
+    """fp32 gradients of the masters (0 in fp32 training)."""
+    optimizer_state: int
+    activations: int | None = None
+    """Activation bytes kept for backward per microbatch (None: not estimated)."""
+    in_flight: int = 1
+    """Microbatches whose activations the stage holds at once under the schedule (pp = 1: all of the batch's)."""
+
+    @property
+    def model_states(self) -> int:
+        return self.parameters + self.gradients + self.masters + self.master_gradients + self.optimizer_state
+
+    @property
+    def total(self) -> int:
+        """Model states plus the activations of every microbatch in flight."""
+        return self.model_states + (self.activations or 0) * self.in_flight
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Per-rank memory of one layout; ``str()`` is the printable table."""
+
+    layout: Layout
+    precision: str
+    ranks: tuple[RankMemory, ...]
+    """One entry per pipeline stage."""
+    activation_note: str
+    """How activations were estimated, or why they were not."""
+    device_memory: int | None = None
+
+    @property
+    def largest(self) -> RankMemory:
+        return max(self.ranks, key=lambda rank: rank.total)
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the largest rank fits ``device_memory`` (None when no device memory was given)."""
+        return None if self.device_memory is None else self.largest.total <= self.device_memory
+
+    def table(self) -> str:
+        header = ("stage", "ranks", "params", "grads", "masters", "master grads", "optimizer", "model states")
+        header += ("activations/mb", "in flight", "total")
+        rows = [
+            (
+                str(rank.stage),
+                _ranks_text(rank.ranks),
+                *map(format_bytes, (rank.parameters, rank.gradients, rank.masters, rank.master_gradients)),
+                format_bytes(rank.optimizer_state),
+                format_bytes(rank.model_states),
+                "-" if rank.activations is None else format_bytes(rank.activations),
+                str(rank.in_flight),
+                format_bytes(rank.total),
+            )
+            for rank in self.ranks
+        ]
+        widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+        lines = [f"Memory per rank, {self.layout} on {self.layout.devices} device(s), {self.precision}:"]
+        lines += ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in (header, *rows)]
+        largest = self.largest
+        verdict = ""
+        if self.device_memory is not None:
+            spare = self.device_memory - largest.total
+            verdict = (
+                f"; fits in {format_bytes(self.device_memory)} ({format_bytes(spare)} to spare)"
+                if spare >= 0
+                else f"; does NOT fit in {format_bytes(self.device_memory)} ({format_bytes(-spare)} over)"
+            )
+        lines.append(
+            f"Largest rank: stage {largest.stage} (ranks {_ranks_text(largest.ranks)}), "
+            f"{format_bytes(largest.total)}{verdict}."
+        )
+        lines.append(f"Activations: {self.activation_note}")
+        lines += [f"Assumes {line}." for line in ASSUMPTIONS]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def estimate_memory(
+    model: nn.Module,
+    *,
+    config: SMPConfig | Mapping[str, Any] | None = None,
+    world_size: int | None = None,
+    device_memory: int | str | None = None,
+    micro_batch_size: int | None = None,
+    sequence_length: int | None = None,
+) -> MemoryReport:
+    """Per-rank bytes of training ``model`` with ``config`` on ``world_size`` devices.
+
+    ``model`` is the model as built (a LightningModule after ``configure_model``), ideally on the meta device
+    (``with torch.device("meta"):``), which costs no memory. ``config`` is an `SMPConfig` or the `SMPStrategy`
+    keyword arguments (``smp_options`` included); ``world_size`` defaults to the model-parallel degree (dp = 1).
+    ``device_memory`` (bytes, or text such as ``"40GiB"``) adds the verdict whether the largest rank fits.
+    With ``micro_batch_size`` and ``sequence_length`` the activations of the transformer layers are estimated.
+    """
+    config = _as_config(config)
+    world_size = config.model_parallel_degree if world_size is None else world_size
+    layout = Layout(
+        config.pipeline_parallel_degree, config.tensor_parallel_degree, config.data_parallel_degree(world_size)
+    )
+    return _report(model, layout, config, _as_bytes(device_memory), micro_batch_size, sequence_length)
+
+
+def fitting_layouts(
+    model: nn.Module | Callable[[int], nn.Module],
+    *,
+    devices: int,
+    device_memory: int | str,
+    config: SMPConfig | Mapping[str, Any] | None = None,
+    micro_batch_size: int | None = None,
+    sequence_length: int | None = None,
+) -> list[MemoryReport]:
+    """The layouts of ``devices`` devices whose largest rank fits ``device_memory``, smallest model-parallel degree
+    (pp × tp) first, then least memory. Every pp and tp whose product divides ``devices`` is tried (dp is the rest);
+    other settings come from ``config``, ``partition`` only where pp is the configured one. ``model`` may be a
+    function of the tensor-parallel degree that builds the model, for models whose construction reads it
+    (``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``). Layouts the model cannot take (a trunk with
+    fewer children than stages, a plan that does not divide) are left out."""
+    base = _as_config(config)
+    memory = _as_bytes(device_memory)
+    built: dict[int, nn.Module] = {}
+    found = []
+    for layout in _layouts(devices):
+        try:
+            layout_config = dataclasses.replace(
+                base,
+                pipeline_parallel_degree=layout.pp,
+                tensor_parallel_degree=layout.tp,
+                partition=base.partition if layout.pp == base.pipeline_parallel_degree else None,
+            )
+            if not isinstance(model, nn.Module) and layout.tp not in built:
+                built[layout.tp] = model(layout.tp)
+            module = model if isinstance(model, nn.Module) else built[layout.tp]
+            report = _report(module, layout, layout_config, memory, micro_batch_size, sequence_length)
+        except ValueError:
+            continue  # the model cannot take this layout; its own error says why when it is the one configured
+        if report.fits:
+            found.append(report)
+    return sorted(found, key=lambda r: (r.layout.model_parallel, r.largest.total, r.layout.pp))
+
+
+def layouts_table(reports: Sequence[MemoryReport]) -> str:
+    """One line per layout: the degrees and the largest rank's memory, by kind."""
+    header = ("pp", "tp", "dp", "largest rank", "model states", "activations in flight", "stage")
+    rows = [
+        (
+            str(r.layout.pp),
+            str(r.layout.tp),
+            str(r.layout.dp),
+            format_bytes(r.largest.total),
+            format_bytes(r.largest.model_states),
+            "-" if r.largest.activations is None else format_bytes(r.largest.activations * r.largest.in_flight),
+            str(r.largest.stage),
+        )
+        for r in reports
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in (header, *rows))
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes in binary units: "0 B", "1.5 KiB", "3.2 GiB"."""
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """``"40GiB"`` (binary), ``"80GB"`` (decimal), ``"40G"`` (binary, as ``nvidia-smi`` and ``ls -h``) or a
+    plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"device memory {text!r} is not a size; give a number with a unit, e.g. '40GiB', '80GB' or "
+            "'141G' (binary), or a plain number of bytes."
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+# -- the per-rank count -----------------------------------------------------------------------------------------
+
+
+def _report(
+    model: nn.Module,
+    layout: Layout,
+    config: SMPConfig,
+    device_memory: int | None,
+    micro_batch_size: int | None,
+    sequence_length: int | None,
+) -> MemoryReport:
+    params = _named_parameters(model)
+    sharded = _tensor_parallel_shards(model, layout.tp, config, params)
+    placement = _Placement.of(model, layout.pp, config)
+    fp32_owners = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
+    half = config.half_dtype
+    activations, note = _activations(model, placement, layout.tp, sharded, half, micro_batch_size, sequence_length)
+    groups = rank_groups(config.placement_order, dp=layout.dp, pp=layout.pp, tp=layout.tp)["pp"]
+    ranks = []
+    for stage in range(layout.pp):
+        count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
+        for param, names in params.values():
+            if stage not in placement.stages_of(names):
+                continue
+            elements = param.numel() // layout.tp if id(param) in sharded else param.numel()
+            size = param.element_size() if half is None or id(param) in fp32_owners else half.itemsize
+            count["parameters"] += elements * size
+            if not param.requires_grad:
+                continue
+            count["gradients"] += elements * size
+            updated = size
+            if half is not None and id(param) not in fp32_owners:
+                count["masters"] += elements * _MASTER_BYTES
+                count["master_gradients"] += elements * _MASTER_BYTES
+                updated = _MASTER_BYTES
+            count["optimizer_state"] += elements * updated * _OPTIMIZER_STATES
+        ranks.append(
+            RankMemory(
+                stage=stage,
+                ranks=tuple(group[stage] for group in groups),
+                activations=None if activations is None else activations[stage],
+                in_flight=_in_flight(layout.pp, stage, config),
+                **count,
+            )
+        )
+    precision = "fp32" if half is None else f"{'fp16' if half == torch.float16 else 'bf16'} with fp32 masters"
+    return MemoryReport(layout, precision, tuple(ranks), note, device_memory)
+
+
+def _named_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:
+    """Each parameter once, with every name it is registered under (tied weights have several)."""
+    found: dict[int, tuple[nn.Parameter, list[str]]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        found.setdefault(id(param), (param, []))[1].append(name)
+    return found
+
+
+def _tensor_parallel_shards(
+    model: nn.Module, tp: int, config: SMPConfig, params: dict[int, tuple[nn.Parameter, list[str]]]
+) -> set[int]:
+    """Ids of the parameters each tensor-parallel rank holds 1/tp of (what ``parallelize`` would split)."""
+    plan = plan_tensor_parallel(model, tp_size=tp, patterns=config.tensor_parallel_plan)
+    if tp == 1:
+        return set()
+    return {key for key, (_, names) in params.items() if any(name in plan.sharded_specs for name in names)}
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Which pipeline stages hold a parameter or module: the partition plan and the plan of what lies outside the
+    trunk, as the pipeline engine builds them."""
+
+    stages: int
+    plan: PartitionPlan | None = None
+    outside: OutsidePlan | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module, stages: int, config: SMPConfig) -> _Placement:
+        if stages == 1:
+            return cls(1)
+        trunk_name, trunk = find_trunk(model, config.pipeline_module)
+        assignment = None
+        if not config.auto_partition and config.partition is None:
+            assignment = [assigned_partition(child) for child in trunk.children()]
+        plan = plan_partition(
+            trunk_name,
+            describe_children(trunk, trunk_name),
+            stages=stages,
+            chunks_per_stage=config.virtual_stages,
+            sizes=config.partition,
+            auto=config.auto_partition,
+            memory_weight=config.memory_weight,
+            assignment=assignment,
+            default=config.default_partition,
+        )
+        return cls(stages, plan, plan_outside(model, plan))
+
+    def stages_of(self, names: Sequence[str]) -> set[int]:
+        """The stages holding what is registered under ``names`` (parameter or module names): a trunk child's
+        stage; outside the trunk the side it lies on (tied weights: the first and the last stage; parameters on
+        the trunk's ancestors: every stage)."""
+        if self.plan is None or self.outside is None:
+            return {0}
+        prefix = f"{self.plan.trunk}."
+        stages = {self.plan.stage_of(int(n[len(prefix) :].split(".")[0])) for n in names if n.startswith(prefix)}
+        for name in (n for n in names if not n.startswith(prefix)):
+            side = self.outside.side_of(name)
+            if name in self.outside.tied:
+                stages |= {0, self.stages - 1}
+            elif side is None:
+                stages |= set(range(self.stages))
+            else:
+                stages.add(side)
+        return stages
+
+
+def _in_flight(stages: int, stage: int, config: SMPConfig) -> int:
+    """The most microbatches ``stage`` holds activations of at once in a training step; without a pipeline the
+    batch (``microbatches`` of them) runs whole."""
+    if stages == 1:
+        return config.microbatches
+    plan = schedules.build(
+        config.pipeline,
+        stages=stages,
+        stage=stage,
+        microbatches=config.microbatches,
+        active=config.resolved_active_microbatches,
+        chunks_per_stage=config.virtual_stages,
+    )
+    live = peak = 0
+    for action in plan:
+        live += 1 if action.forward else -1
+        peak = max(peak, live)
+    return -(-peak // config.virtual_stages)  # a stage's activations per microbatch cover all of its chunks
+
+
+def _activations(
+    model: nn.Module,
+    placement: _Placement,
+    tp: int,
+    sharded: set[int],
+    half: torch.dtype | None,
+    micro_batch_size: int | None,
+    sequence_length: int | None,
+) -> tuple[list[int] | None, str]:
+    """Per stage, the bytes one microbatch leaves for backward in its transformer layers (Korthikanti et al. 2022,
+    Table 2, no sequence parallelism, no recomputation): s·b·h·(34 + 5·a·s/h) per layer, or
+    s·b·h·(10 + 24/t + 5·a·s/(h·t)) for a layer split t ways; doubled for fp32 activations."""
+    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _TRANSFORMER_LAYERS)]
+    if not layers:
+        return None, (
+            "not estimated: the model has no nn.TransformerEncoderLayer / nn.TransformerDecoderLayer to read the "
+            "hidden size and head count from."
+        )
+    if micro_batch_size is None or sequence_length is None:
+        return None, "not estimated: give micro_batch_size and sequence_length (--micro-batch-size, --sequence-length)."
+    s, b = sequence_length, micro_batch_size
+    scale = 2 if half is None else 1  # the formula counts 2-byte activations
+    per_stage = [0] * placement.stages
+    shapes = set()
+    for name, layer in layers:
+        h, a = layer.self_attn.embed_dim, layer.self_attn.num_heads
+        shapes.add((h, a))
+        t = tp if any(id(p) in sharded for p in layer.parameters()) else 1
+        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) if t > 1 else s * b * h * (34 + 5 * a * s / h)
+        for stage in placement.stages_of([name]):
+            per_stage[stage] += int(per_layer * scale)
+    described = ", ".join(f"h={h}, a={a}" for h, a in sorted(shapes))
+    return per_stage, (
+        f"{len(layers)} transformer layer(s) ({described}), micro batch {b} x sequence {s}, by Korthikanti et al. "
+        "2022 (Table 2: no sequence parallelism, no recomputation); embeddings, logits and the loss are not counted."
+    )
+
+
+def _layouts(devices: int) -> list[Layout]:
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices={devices!r} is not a device count; give an integer >= 1.")
+    return [
+        Layout(pp, tp, devices // (pp * tp))
+        for pp in range(1, devices + 1)
+        for tp in range(1, devices // pp + 1)
+        if devices % (pp * tp) == 0
+    ]
+
+
+def _as_config(config: SMPConfig | Mapping[str, Any] | None) -> SMPConfig:
+    if config is None:
+        return SMPConfig()
+    if isinstance(config, SMPConfig):
+        return config
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"config={type(config).__name__} is neither an SMPConfig nor a mapping of SMPStrategy keyword "
+            "arguments; pass e.g. config={'pipeline_parallel_degree': 2, 'fp16': True}."
+        )
+    kwargs = dict(config)
+    smp_options = kwargs.pop("smp_options", None)
+    return SMPConfig.from_sources(kwargs, smp_options=smp_options)
+
+
+def _as_bytes(memory: int | str | None) -> int | None:
+    if memory is None or (isinstance(memory, int) and not isinstance(memory, bool)):
+        return memory
+    if isinstance(memory, str):
+        return parse_bytes(memory)
+    raise ValueError(f"device_memory={memory!r} is not a size; give bytes (an int) or text such as '40GiB'.")
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    return ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{','.join(map(str, ranks[:7]))},... ({len(ranks)})"

@@ -1,0 +1,201 @@
+"""Sharded optimizer state (``shard_optimizer_state=True``, ZeRO-1) against the same run without sharding.
+
+Every layout runs twice in one launch, sharded and not, on the same data: losses, skipped steps and the global
+gradient norm must agree (fp32 to 1e-5, fp16 to 2e-2); the sharded rank must hold about half the masters and
+optimizer state; and a sharded checkpoint must resume unsharded, at another dp degree, and consolidate.
+"""
+
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import Tensor
+
+from lightning_smp import SMPStrategy
+from lightning_smp.checkpoint import consolidate_checkpoint
+from lightning_smp.grad_vote import clip_grad_norm_counted
+from lightning_smp.optimizer import MasterWeightOptimizer
+from tests.distributed import run_distributed
+from tests.models import TinyRegressor, quiet_trainer
+
+STEPS = 12
+SAVED_AT = 4  # the first epoch's end: 64 samples, 2 replicas x 8 (or 1 x 16) per step
+PER_RANK_BATCH = 8
+FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**17}}  # the first steps overflow, are skipped
+SHARD = {"shard_optimizer_state": True}
+TP2 = {"tensor_parallel_degree": 2, "tensor_parallel_plan": {"net.0": "colwise", "net.2": "rowwise"}}
+PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2}
+
+
+class _Record(Callback):
+    """Every step's loss (the last stage's under pipeline parallelism, on every rank) and the global gradient norm
+    before the step (with an infinite bound, clipping changes nothing)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if isinstance(optimizer, MasterWeightOptimizer):
+            norm = optimizer.clip_master_grads(math.inf)
+        else:
+            topology = trainer.strategy.topology
+            group = topology.group("mp") if topology.size("mp") > 1 else None
+            norm = clip_grad_norm_counted(list(pl_module.parameters()), math.inf, group=group)
+        self.norms.append(norm.item())
+
+
+def _state_bytes(optimizer: MasterWeightOptimizer) -> int:
+    """Exact bytes of the fp32 masters and the optimizer state this rank holds (each storage once)."""
+    tensors = optimizer.master_params() + [
+        value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)
+    ]
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _fit(strategy_kwargs: dict, *, batch_size: int = PER_RANK_BATCH, dirpath=None, ckpt_path=None) -> dict:
+    torch.manual_seed(0)
+    model = TinyRegressor(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=64, batch_size=batch_size)
+    record = _Record()
+    callbacks = [record]
+    if dirpath is not None:
+        callbacks.append(ModelCheckpoint(dirpath=dirpath, save_top_k=-1))
+    trainer = quiet_trainer(
+        SMPStrategy(**strategy_kwargs),
+        devices=int(os.environ["WORLD_SIZE"]),
+        max_epochs=STEPS // SAVED_AT,
+        gradient_clip_val=0.1,
+        callbacks=callbacks,
+        enable_checkpointing=dirpath is not None,
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    optimizer = trainer.strategy.optimizers[0]
+    wrapped = isinstance(optimizer, MasterWeightOptimizer)
+    return {
+        "losses": record.losses,
+        "norms": record.norms,
+        "skipped": optimizer.skipped_steps.item() if wrapped else None,
+        "state_bytes": _state_bytes(optimizer) if wrapped else None,
+        "state_dict_error": _error_of(optimizer.state_dict),
+    }
+
+
+def _error_of(function) -> str | None:
+    try:
+        function()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _dp2_job(rank: int, root: str) -> dict:
+    root = Path(root)
+    results = {}
+    for name, precision in (("fp32", {}), ("fp16", FP16), ("bf16", {"bf16": True})):
+        saves = name == "fp16"
+        results[name] = _fit(precision, dirpath=root / "fp16_plain" if saves else None)
+        results[f"{name}_sharded"] = _fit({**precision, **SHARD}, dirpath=root / "fp16" if saves else None)
+    saved = root / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
+    results["resumed_unsharded"] = _fit(FP16, ckpt_path=saved)
+    results["resumed_sharded"] = _fit({**FP16, **SHARD}, ckpt_path=saved)
+    return results
+
+
+def _dp1_job(rank: int, root: str) -> dict:
+    saved = Path(root) / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
+    return _fit(FP16, batch_size=2 * PER_RANK_BATCH, ckpt_path=saved)
+
+
+def _four_ranks_job(rank: int) -> dict:
+    results = {}
+    for layout, degrees in (("dp2_tp2", TP2), ("pp2_dp2", PP2)):
+        for name, precision in (("fp32", {}), ("fp16", FP16)):
+            results[f"{layout}_{name}"] = _fit({**degrees, **precision})
+            results[f"{layout}_{name}_sharded"] = _fit({**degrees, **precision, **SHARD})
+    return results
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("zero1")
+
+
+@pytest.fixture(scope="module")
+def dp2(root):
+    return run_distributed(_dp2_job, 2, str(root), timeout=400)
+
+
+@pytest.fixture(scope="module")
+def dp1(root, dp2):
+    (result,) = run_distributed(_dp1_job, 1, str(root), timeout=150)
+    return result
+
+
+def _mean_losses(ranks: list[dict], run: str) -> list[float]:
+    return [(a + b) / 2 for a, b in zip(ranks[0][run]["losses"], ranks[1][run]["losses"], strict=True)]
+
+
+def _assert_same_run(sharded: dict, plain: dict, rel: float) -> None:
+    assert len(sharded["losses"]) == STEPS >= 10
+    assert sharded["losses"] == pytest.approx(plain["losses"], rel=rel)
+    assert sharded["norms"] == pytest.approx(plain["norms"], rel=rel)
+    assert sharded["skipped"] == plain["skipped"] or plain["skipped"] is None
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "rel"), [("fp32", 1e-5), ("fp16", 2e-2), ("bf16", 2e-2)])
+def test_dp2_sharded_matches_the_unsharded_run(dp2, name, rel):
+    for rank in dp2:
+        _assert_same_run(rank[f"{name}_sharded"], rank[name], rel)
+    if name == "fp16":
+        assert dp2[0]["fp16"]["skipped"] >= 1  # the comparison covers the overflow path
+        assert dp2[0]["fp16_sharded"]["skipped"] == dp2[1]["fp16_sharded"]["skipped"]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_rank_holds_about_half_the_masters_and_optimizer_state(dp2):
+    for rank in dp2:
+        assert rank["fp16_sharded"]["state_bytes"] <= 0.52 * rank["fp16"]["state_bytes"]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_optimizers_positional_state_dict_points_to_the_checkpoints_by_name(dp2):
+    assert dp2[0]["fp16"]["state_dict_error"] is None
+    assert "by parameter name" in dp2[0]["fp16_sharded"]["state_dict_error"]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_checkpoint_resumes_sharded_and_unsharded_at_dp2_and_on_one_device(dp2, dp1):
+    unbroken = _mean_losses(dp2, "fp16_sharded")
+    for resumed in ("resumed_sharded", "resumed_unsharded"):
+        mean = _mean_losses(dp2, resumed)
+        assert mean == pytest.approx(unbroken[SAVED_AT:], rel=2e-2), resumed
+    assert dp2[0]["resumed_sharded"]["losses"] == dp2[0]["fp16_sharded"]["losses"][SAVED_AT:]  # same layout: exact
+    assert dp1["losses"] == pytest.approx(unbroken[SAVED_AT:], rel=2e-2)
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_checkpoint_consolidates_into_the_single_device_model(dp2, root, tmp_path):
+    name = f"epoch=0-step={SAVED_AT}.ckpt"
+    sharded = torch.load(consolidate_checkpoint(root / "fp16" / name, tmp_path / "sharded.ckpt"), weights_only=False)
+    plain = torch.load(consolidate_checkpoint(root / "fp16_plain" / name, tmp_path / "plain.ckpt"), weights_only=False)
+    TinyRegressor().load_state_dict(sharded["state_dict"], strict=True)
+    for key, value in plain["state_dict"].items():  # the fp32 masters, gathered from both shares
+        assert sharded["state_dict"][key].dtype == torch.float32
+        torch.testing.assert_close(sharded["state_dict"][key], value, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.timeout(900)
+def test_dp2_tp2_and_pp2_dp2_sharded_match_the_unsharded_runs():
+    ranks = run_distributed(_four_ranks_job, 4, timeout=840)
+    for layout in ("dp2_tp2", "pp2_dp2"):
+        for rank in ranks:
+            _assert_same_run(rank[f"{layout}_fp32_sharded"], rank[f"{layout}_fp32"], 1e-5)
+            _assert_same_run(rank[f"{layout}_fp16_sharded"], rank[f"{layout}_fp16"], 2e-2)
+        assert ranks[0][f"{layout}_fp16"]["skipped"] >= 1

@@ -1,0 +1,264 @@
+"""The memory planner: bytes per kind and per element, what tensor-parallel ranks and pipeline stages hold, the
+activation formula, the fit verdict and the layout search (pure, on meta-device models), and its agreement with
+the bytes `benchmarks/memory_scale.py` measures on live ranks."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
+from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
+
+_REPO = Path(__file__).resolve().parents[1]
+VOCAB, WIDTH, HEADS, FF, LAYERS = 64, 16, 2, 32, 4
+
+
+class _GPT(nn.Module):
+    def __init__(self, *, tied: bool = False, tensor_parallel: bool = True) -> None:
+        super().__init__()
+        with smp.tensor_parallelism(tensor_parallel):
+            self.tok = nn.Embedding(VOCAB, WIDTH)
+            self.blocks = nn.ModuleList(
+                nn.TransformerEncoderLayer(WIDTH, HEADS, FF, batch_first=True) for _ in range(LAYERS)
+            )
+            self.norm = nn.LayerNorm(WIDTH)
+            self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.tok.weight
+
+
+def _gpt(**kwargs) -> _GPT:
+    with torch.device("meta"):
+        return _GPT(**kwargs)
+
+
+def _numel(*modules: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for m in modules for p in m.parameters()}.values())
+
+
+# -- bytes per element ---------------------------------------------------------------------------------------------
+
+
+def test_fp16_counts_every_kind_per_element():
+    model = _gpt()
+    (rank,) = estimate_memory(model, config={"fp16": True}).ranks
+    n = _numel(model)
+    assert (rank.parameters, rank.gradients, rank.masters, rank.master_gradients) == (2 * n, 2 * n, 4 * n, 4 * n)
+    assert rank.optimizer_state == 8 * n  # two fp32 Adam moments per master element
+    assert rank.model_states == 20 * n
+
+
+def test_fp32_has_no_masters_and_adam_state_in_fp32():
+    model = _gpt()
+    (rank,) = estimate_memory(model).ranks
+    n = _numel(model)
+    assert (rank.parameters, rank.gradients, rank.masters, rank.master_gradients) == (4 * n, 4 * n, 0, 0)
+    assert rank.optimizer_state == 8 * n
+
+
+def test_batchnorm_stays_fp32_without_a_master_and_frozen_parameters_hold_only_weights():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.Linear(8, 2))
+    model[3].requires_grad_(False)
+    (rank,) = estimate_memory(model, config={"bf16": True}).ranks
+    conv, norm, frozen = _numel(model[0]), _numel(model[1]), _numel(model[3])
+    assert rank.parameters == 2 * conv + 4 * norm + 2 * frozen
+    assert rank.gradients == 2 * conv + 4 * norm
+    assert rank.masters == rank.master_gradients == 4 * conv
+    assert rank.optimizer_state == 8 * conv + 8 * norm
+
+
+# -- what each rank holds -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tensor_parallel_ranks_hold_a_share_of_what_the_plan_splits(tied):
+    model = _gpt(tied=tied)
+    report = estimate_memory(model, config={"tensor_parallel_degree": 2, "tensor_parallel_plan": {"head": "colwise"}})
+    (rank,) = report.ranks
+    assert rank.ranks == (0, 1)
+    # replicated on both ranks: the norms and the biases added after a row-parallel reduction
+    replicated = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if "norm" in name or name.endswith(("out_proj.bias", "linear2.bias"))
+    )
+    assert rank.parameters == 4 * (replicated + (_numel(model) - replicated) // 2)
+
+
+def test_tensor_parallel_keeps_whole_what_the_plan_cannot_split():
+    model = _gpt(tensor_parallel=False)  # nothing created tensor-parallel, no plan: every rank holds all
+    (whole,) = estimate_memory(model).ranks
+    (rank,) = estimate_memory(model, config={"tensor_parallel_degree": 2}).ranks
+    assert rank.model_states == whole.model_states
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_pipeline_stages_hold_their_trunk_children_and_the_modules_on_their_side(tied):
+    model = _gpt(tied=tied)
+    report = estimate_memory(model, config={"pipeline_parallel_degree": 2, "microbatches": 2}, world_size=4)
+    first, last = report.ranks
+    assert (first.ranks, last.ranks) == ((0, 2), (1, 3))  # cluster placement: dp varies slowest
+    blocks = model.blocks
+    expected_first = _numel(model.tok, blocks[0], blocks[1])
+    expected_last = _numel(blocks[2], blocks[3], model.norm, model.head)  # tied: the head's weight is tok's
+    assert (first.parameters, last.parameters) == (4 * expected_first, 4 * expected_last)
+
+
+def test_a_parameter_set_on_the_trunks_ancestor_is_held_by_every_stage():
+    model = _gpt()
+    with torch.device("meta"):
+        model.scale = nn.Parameter(torch.ones(WIDTH))  # on the LightningModule itself, as the pipeline allows
+    without = estimate_memory(_gpt(), config={"pipeline_parallel_degree": 2, "microbatches": 2}).ranks
+    with_scale = estimate_memory(model, config={"pipeline_parallel_degree": 2, "microbatches": 2}).ranks
+    assert [b.parameters - a.parameters for a, b in zip(without, with_scale, strict=True)] == [4 * WIDTH] * 2
+
+
+def test_manual_partition_sizes_decide_the_stages():
+    model = _gpt()
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "partition": [1, 3]}
+    first, last = estimate_memory(model, config=config).ranks
+    assert first.parameters == 4 * _numel(model.tok, model.blocks[0])
+    assert last.parameters == 4 * _numel(*model.blocks[1:], model.norm, model.head)
+
+
+# -- activations ----------------------------------------------------------------------------------------------------
+
+
+def test_activations_follow_korthikanti_per_layer_and_tensor_parallel_degree():
+    s, b, h, a = 8, 2, WIDTH, HEADS
+    one = s * b * h * (34 + 5 * a * s / h)  # bytes per layer of 16-bit activations, no parallelism
+    split = s * b * h * (10 + 24 / 2 + 5 * a * s / (h * 2))
+    model = _gpt()
+    sizes = {"micro_batch_size": b, "sequence_length": s}
+    (rank,) = estimate_memory(model, config={"fp16": True, "microbatches": 2}, **sizes).ranks
+    assert rank.activations == LAYERS * int(one)
+    assert rank.in_flight == 2  # without a pipeline the whole batch (both microbatches) runs at once
+    (rank,) = estimate_memory(model, config={"fp16": True}, **sizes).ranks
+    assert rank.total == rank.model_states + LAYERS * int(one)
+    (rank,) = estimate_memory(model, config={"fp16": True, "tensor_parallel_degree": 2}, **sizes).ranks
+    assert rank.activations == LAYERS * int(split)
+    (rank,) = estimate_memory(model, **sizes).ranks
+    assert rank.activations == LAYERS * int(2 * one)  # fp32 activations
+
+
+def test_pipeline_stage_holds_the_microbatches_its_schedule_keeps_in_flight():
+    config = {"pipeline_parallel_degree": 2, "microbatches": 4, "active_microbatches": 2, "fp16": True}
+    first, last = estimate_memory(_gpt(), config=config, micro_batch_size=1, sequence_length=4).ranks
+    assert first.in_flight == 2 and last.in_flight == 1  # 1F1B: the first stage waits longest for backwards
+    assert first.activations == last.activations  # two layers each
+
+
+def test_activations_are_omitted_with_the_reason():
+    report = estimate_memory(_gpt())
+    assert report.ranks[0].activations is None
+    assert "micro_batch_size and sequence_length" in report.activation_note
+    with torch.device("meta"):
+        mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    report = estimate_memory(mlp, micro_batch_size=2, sequence_length=8)
+    assert report.ranks[0].activations is None and "no nn.TransformerEncoderLayer" in report.activation_note
+
+
+# -- the verdict, the search, the text --------------------------------------------------------------------------------
+
+
+def test_the_largest_rank_is_named_and_judged_against_the_device():
+    model = _gpt(tied=True)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "fp16": True}
+    report = estimate_memory(model, config=config, device_memory=10**9)
+    assert report.largest is max(report.ranks, key=lambda r: r.total)
+    assert report.fits is True
+    text = str(report)
+    assert f"Largest rank: stage {report.largest.stage}" in text and "fits in 953.7 MiB" in text
+    tight = estimate_memory(model, config=config, device_memory=report.largest.total - 1)
+    assert tight.fits is False and "does NOT fit" in str(tight)
+    assert estimate_memory(model, config=config).fits is None
+
+
+def test_fitting_layouts_lists_what_fits_smallest_model_parallel_degree_first():
+    model = _gpt()
+    config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}}
+    one_device = estimate_memory(model, config=config).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=one_device - 1, config=config)
+    assert found, "splitting over 8 devices must fit what one device misses by a byte"
+    assert all(report.fits and report.layout.devices == 8 for report in found)
+    assert (1, 1) not in {(r.layout.pp, r.layout.tp) for r in found}
+    degrees = [r.layout.model_parallel for r in found]
+    assert degrees == sorted(degrees)
+    assert 8 not in {r.layout.pp for r in found}  # a 4-child trunk cannot make 8 stages: left out
+    assert layouts_table(found).splitlines()[1].split()[:3] == [str(found[0].layout.pp), str(found[0].layout.tp), "4"]
+
+
+def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
+    built = []
+
+    def build(tp: int) -> nn.Module:
+        built.append(tp)
+        return _gpt(tensor_parallel=tp > 1)  # as `smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`
+
+    found = fitting_layouts(build, devices=4, device_memory="1GiB")
+    assert sorted(built) == [1, 2, 4]
+    by_degrees = {(r.layout.pp, r.layout.tp): r.largest.parameters for r in found}
+    assert by_degrees[(1, 2)] < 0.6 * by_degrees[(1, 1)]  # built tensor-parallel, so split
+
+
+def test_device_memory_is_read_in_binary_and_decimal_units():
+    assert parse_bytes("40GiB") == 40 * 2**30
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("141G") == 141 * 2**30
+    assert parse_bytes("1.5 MiB") == 3 * 2**19
+    assert parse_bytes("1024") == 1024
+    assert format_bytes(3 * 2**29) == "1.5 GiB"
+    with pytest.raises(ValueError, match="'40 gigs' is not a size; give a number with a unit"):
+        parse_bytes("40 gigs")
+
+
+def test_bad_inputs_name_the_fix():
+    with pytest.raises(ValueError, match="neither an SMPConfig nor a mapping"):
+        estimate_memory(_gpt(), config=[("fp16", True)])
+    with pytest.raises(ValueError, match="does not divide the world size 3"):
+        estimate_memory(_gpt(), config={"tensor_parallel_degree": 2}, world_size=3)
+    with pytest.raises(ValueError, match="pattern 'haed' matches no module"):
+        estimate_memory(_gpt(), config={"tensor_parallel_degree": 2, "tensor_parallel_plan": {"haed": "colwise"}})
+    with pytest.raises(ValueError, match="devices=0 is not a device count"):
+        fitting_layouts(_gpt(), devices=0, device_memory="1GiB")
+    assert estimate_memory(_gpt(), config=SMPConfig(fp16=True)).precision == "fp16 with fp32 masters"
+
+
+# -- against the live ranks -------------------------------------------------------------------------------------------
+
+
+def _measured_and_planned(tmp_path: Path, layouts: str) -> list[dict]:
+    out = tmp_path / "memory_scale.json"
+    command = [sys.executable, str(_REPO / "benchmarks" / "memory_scale.py"), "--size", "smoke"]
+    command += ["--layouts", layouts, "--out", str(out)]
+    try:
+        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=1150)
+    except subprocess.TimeoutExpired:
+        pytest.fail("benchmarks/memory_scale.py --size smoke ran past 1150 s", pytrace=False)
+    assert done.returncode == 0, f"memory_scale.py failed:\n{done.stderr[-3000:]}"
+    return json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.timeout(1200)  # eight short fits in fresh processes, up to four ranks each
+def test_planned_model_states_are_within_10_percent_of_the_measured_bytes(tmp_path):
+    """One device, tp2, pp2 and pp2 x tp2, tied and untied head: every rank's parameters + gradients + masters +
+    master gradients + optimizer state as the planner counts them, against the live tensors of a two-step fit."""
+    layouts = ("1", "tp2", "pp2", "pp2xtp2")
+    rows = _measured_and_planned(tmp_path, ",".join(layouts))
+    assert [(row["head"], row["layout"], len(row["ranks"])) for row in rows] == [
+        (head, layout, ranks)
+        for head in ("untied", "tied")
+        for layout, ranks in zip(layouts, (1, 2, 2, 4), strict=True)
+    ]
+    kinds = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
+    for row in rows:
+        for rank in row["ranks"]:
+            measured = sum(rank[kind] for kind in kinds)
+            planned = sum(rank["planned"][kind] for kind in kinds)
+            assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
