@@ -123,6 +123,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
                 "`configure_optimizers` from `self.parameters()`, which runs after the model is sharded."
             )
         device = self._params[0].to_local().device if self._params else torch.device("cpu")
+        # The loss-scale state under the base class's names, which its read-only properties answer from.
         self._state = _StepState()
         self._group: dist.ProcessGroup | None = topology.group("world")
         self._clip_norm = clip_norm
@@ -137,23 +138,8 @@ class ShardedOptimizer(MasterWeightOptimizer):
         scaler = type(self._loss_scaler).__name__ if self._loss_scaler is not None else "no loss scaling"
         return f"{type(self).__name__}({type(self._inner).__name__}, {len(self._params)} sharded params, {scaler})"
 
-    # -- what smp users and Lightning read ----------------------------------------------------------------------
-
-    @property
-    def loss_scaler(self) -> LossScaler | None:
-        return self._loss_scaler
-
-    @property
-    def loss_scale(self) -> float:
-        return self._loss_scaler.loss_scale if self._loss_scaler is not None else 1.0  # sync
-
-    @property
-    def scale_tensor(self) -> Tensor | None:
-        return self._loss_scaler.scale if self._loss_scaler is not None else None
-
-    @property
-    def skipped_steps(self) -> Tensor:
-        return self._skipped_steps
+    # -- what smp users and Lightning read (``loss_scaler``, ``loss_scale``, ``scale_tensor``, ``skipped_steps``,
+    # ``last_step_skipped``: the base class's, over the state set up in `__init__`) ---------------------------------
 
     @property
     def overflow(self) -> bool:
@@ -215,12 +201,6 @@ class ShardedOptimizer(MasterWeightOptimizer):
         if self._loss_scaler is not None:
             self._loss_scaler.update(self._found_inf)
         return loss
-
-    def last_step_skipped_ready(self) -> bool:
-        return self._last_skip.ready()
-
-    def last_step_skipped(self) -> bool:
-        return bool(self._last_skip.read())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)

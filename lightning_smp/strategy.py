@@ -274,9 +274,9 @@ class SMPStrategy(DDPStrategy):
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group, checkpoint the modules marked for it, and keep
-            this rank's pipeline stage (in this order: see `activation_checkpointing`). A model on the meta device is
-            planned and pruned so, then only what this rank keeps is materialised (plan, then apply); last, under sharded
-        data parallelism, FSDP2 shards what is left over the data-parallel ranks."""
+        this rank's pipeline stage (in this order: see `activation_checkpointing`). A model on the meta device is
+        planned and pruned so, then only what this rank keeps is materialised (plan, then apply); last, under
+        sharded data parallelism, FSDP2 shards what is left over the data-parallel ranks."""
         config = self._config
         on_meta = has_meta_tensors(model)
         model = tensor_parallel.parallelize(model, topology=self.topology, config=config)
