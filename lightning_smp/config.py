@@ -78,12 +78,12 @@ _INACTIVE_SETTINGS: dict[str, str] = {
     "contiguous": "it is a TensorFlow-only smp setting",
     "deterministic_server": "there is no execution server; every rank runs the same fixed pipeline schedule",
     "skip_tracing": "lightning_smp never traces the model",
-    "sharded_data_parallel_degree": "sharded data parallelism is not implemented",
-    "sdp_reduce_bucket_size": "sharded data parallelism is not implemented",
-    "sdp_param_persistence_threshold": "sharded data parallelism is not implemented",
-    "sdp_max_live_parameters": "sharded data parallelism is not implemented",
-    "sdp_hierarchical_allgather": "sharded data parallelism is not implemented",
-    "sdp_gradient_clipping": "sharded data parallelism is not implemented; clip with gradient_clip_val",
+    "sdp_reduce_bucket_size": "FSDP2, which runs sharded data parallelism, reduce-scatters one module's "
+    "gradients at a time and has no bucket size",
+    "sdp_max_live_parameters": "FSDP2, which runs sharded data parallelism, gathers one module's parameters at a "
+    "time (and prefetches the next) and has no limit on live parameters",
+    "sdp_hierarchical_allgather": "FSDP2, which runs sharded data parallelism, all-gathers over one shard group; "
+    "keep a shard group inside a node (sharded_data_parallel_degree <= devices per node) for the same effect",
     "fp16_params": "smp deprecated it in favour of fp16; set fp16=True",
     "optimize": "tensor-parallel layers have a single implementation",
 }
@@ -190,17 +190,29 @@ class SMPConfig:
     updated parameters all-gathered. Works with fp16, bf16 and fp32, tensor and pipeline parallelism; checkpoints
     store the state by parameter name, so they resume at any dp degree, sharded or not."""
     sharded_data_parallel_degree: int = 1
-    """smp: number of ranks the training state is sharded over (MiCS/ZeRO-style); 1 turns it off."""
+    """smp: number of data-parallel ranks each parameter, its gradient and its optimizer state are sharded over
+    (ZeRO-3; smp ran DeepSpeed's MiCS, lightning_smp runs PyTorch's FSDP2 ``fully_shard``); 1 turns it off. It
+    must divide the data-parallel degree: shard groups are neighbouring dp ranks, and the replicas of a shard
+    group all-reduce their gradients (HSDP). fp16/bf16 compute on gathered copies, the sharded fp32 parameters
+    are the master weights. Combines with tensor parallelism; not with pipeline parallelism or
+    shard_optimizer_state (as in smp)."""
     sdp_reduce_bucket_size: int = 500_000_000
-    """smp: gradient bucket size in elements, for sharded data parallelism."""
+    """smp: gradient bucket size in elements, for sharded data parallelism. No FSDP2 equivalent (it reduces one
+    module's gradients at a time): accepted, and a changed value warns."""
     sdp_param_persistence_threshold: int = 1_000_000
-    """smp: parameters with fewer elements stay unsharded, for sharded data parallelism."""
+    """smp: under sharded data parallelism, a module whose every own parameter has fewer elements than this is
+    kept whole on every rank (its gradients are all-reduced, not reduce-scattered), as smp kept such parameters
+    whole. Honoured per module, since FSDP2 shards modules: a module with one large parameter shards all of its
+    own. 0 shards everything."""
     sdp_max_live_parameters: int = 1_000_000_000
-    """smp: most parameters gathered at once, for sharded data parallelism."""
+    """smp: most parameters gathered at once, for sharded data parallelism. No FSDP2 equivalent (it gathers one
+    module at a time and prefetches the next): accepted, and a changed value warns."""
     sdp_hierarchical_allgather: bool = True
-    """smp: all-gather within each node first, then across nodes, for sharded data parallelism."""
+    """smp: all-gather within each node first, then across nodes, for sharded data parallelism. No FSDP2
+    equivalent: accepted, and a changed value warns; a shard group within one node gives the same traffic."""
     sdp_gradient_clipping: float = 1.0
-    """smp: gradient-norm clipping threshold applied when sharded data parallelism is on."""
+    """smp: under sharded data parallelism, every optimizer step clips the gradients to this global norm (over
+    every rank, each value counted once), after any ``gradient_clip_val`` clipping, as smp did."""
     prescaled_batch: bool = False
     """The ranks of one tensor-parallel group receive the same batch (used by the vocab-parallel LM head)."""
     delayed_parameter_initialization: bool = False
@@ -255,6 +267,7 @@ class SMPConfig:
         self._validate_choices()
         self._validate_pipeline()
         self._validate_precision()
+        self._validate_sharding()
         if self.tensor_parallel_plan is not None:
             object.__setattr__(self, "tensor_parallel_plan", _normalise_tp_plan(self.tensor_parallel_plan))
 
@@ -333,6 +346,20 @@ class SMPConfig:
                 )
             object.__setattr__(self, "dynamic_loss_args", args)
 
+    def _validate_sharding(self) -> None:
+        sdp = self.sharded_data_parallel_degree
+        if sdp > 1 and self.pipeline_parallel_degree > 1:
+            raise ValueError(
+                f"sharded_data_parallel_degree={sdp} cannot be combined with pipeline_parallel_degree="
+                f"{self.pipeline_parallel_degree} (nor could it in smp); set pipeline_parallel_degree=1, or "
+                "sharded_data_parallel_degree=1 and shard_optimizer_state=True to shard the optimizer state."
+            )
+        if sdp > 1 and self.shard_optimizer_state:
+            raise ValueError(
+                f"sharded_data_parallel_degree={sdp} already shards the optimizer state (with the parameters and "
+                "gradients); set shard_optimizer_state=False, as smp required."
+            )
+
     def __reduce__(self) -> tuple[Callable[[dict[str, Any]], SMPConfig], tuple[dict[str, Any]]]:
         # A mappingproxy cannot be pickled or deep-copied; rebuild from plain values so that spawn launchers
         # and copy.deepcopy still work.
@@ -382,7 +409,16 @@ class SMPConfig:
                 f"pipeline_parallel_degree={good_pp}, tensor_parallel_degree={good_tp} → data parallel "
                 f"degree {world_size // (good_pp * good_tp)})"
             )
-        return world_size // mp
+        dp = world_size // mp
+        sdp = self.sharded_data_parallel_degree
+        if dp % sdp:
+            fitting = max(d for d in range(1, min(sdp, dp) + 1) if dp % d == 0)
+            raise ValueError(
+                f"sharded_data_parallel_degree={sdp} does not divide the data-parallel degree {dp} (world size "
+                f"{world_size} / (pipeline_parallel_degree={pp} × tensor_parallel_degree={tp})); pick a divisor of "
+                f"{dp}, for example sharded_data_parallel_degree={fitting}."
+            )
+        return dp
 
     def inactive_settings(self) -> list[str]:
         """One line per setting changed from its default that lightning_smp accepts but ignores for now."""

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_smp.grad_vote import GradientVote, clip_grad_norm_counted
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
+from lightning_smp.sharded_data_parallel import ShardedOptimizer
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -47,6 +48,8 @@ class SMPPrecision(Precision):
         shard_optimizer_state: shard the fp32 masters and the optimizer state over the data-parallel replicas
             (ZeRO-1; in fp32 too, where the optimizer is then wrapped as well). The strategy must not all-reduce
             the gradients over the replicas: the optimizer reduce-scatters them.
+        sharded_clip_norm: set under sharded data parallelism (FSDP2): the module stays fp32 (FSDP2 casts for
+            compute) and every optimizer, fp32 ones too, becomes a `ShardedOptimizer` that clips to this norm.
     """
 
     def __init__(
@@ -57,6 +60,7 @@ class SMPPrecision(Precision):
         static_loss_scale: float = 1.0,
         dynamic_loss_args: dict[str, Any] | None = None,
         shard_optimizer_state: bool = False,
+        sharded_clip_norm: float | None = None,
     ) -> None:
         if dtype not in _PRECISION_NAMES:
             raise ValueError(
@@ -68,6 +72,7 @@ class SMPPrecision(Precision):
         self._static_loss_scale = static_loss_scale
         self._dynamic_loss_args = dict(dynamic_loss_args or {})
         self._shard_optimizer_state = shard_optimizer_state
+        self._sharded_clip_norm = sharded_clip_norm
         self.topology: Topology | None = None  # set by SMPStrategy before `connect`
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
@@ -81,7 +86,7 @@ class SMPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.dtype is None:
+        if self.dtype is None or self._sharded_clip_norm is not None:
             return module
         module.to(self.dtype)
         for layer in module.modules():
@@ -106,7 +111,7 @@ class SMPPrecision(Precision):
         ``scaler_settings`` (``dynamic_loss_scale``, ``static_loss_scale``, ``dynamic_loss_args``) override the
         plugin's, as ``smp.DistributedOptimizer`` passes them.
         """
-        if self.dtype is None and not self._shards():
+        if self.dtype is None and not self._shards() and self._sharded_clip_norm is None:
             raise ValueError(
                 "fp32 training has no master weights; use fp16=True or bf16=True (or shard_optimizer_state=True with "
                 "more than one data-parallel replica) to wrap optimizers."
@@ -118,10 +123,16 @@ class SMPPrecision(Precision):
                 static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
                 dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
             )
-        shards = self._shards()
-        vote = GradientVote.for_run(self.topology, sharded_over_dp=shards)
-        shard_group = self.topology.group("dp") if shards and self.topology is not None else None
-        wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, vote=vote, shard_group=shard_group)
+        if self._sharded_clip_norm is not None:
+            assert self.topology is not None  # set by SMPStrategy.setup_environment
+            wrapped: MasterWeightOptimizer = ShardedOptimizer(
+                optimizer, loss_scaler=loss_scaler, topology=self.topology, clip_norm=self._sharded_clip_norm
+            )
+        else:
+            shards = self._shards()
+            vote = GradientVote.for_run(self.topology, sharded_over_dp=shards)
+            shard_group = self.topology.group("dp") if shards and self.topology is not None else None
+            wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, vote=vote, shard_group=shard_group)
         self._wrapped.append(wrapped)
         return wrapped
 
@@ -129,7 +140,7 @@ class SMPPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
     ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
-        if self.dtype is None and not self._shards():
+        if self.dtype is None and not self._shards() and self._sharded_clip_norm is None:
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
         for config in lr_schedulers:

@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_smp import activation_checkpointing, fault_tolerance, tensor_parallel
+from lightning_smp import activation_checkpointing, fault_tolerance, sharded_data_parallel, tensor_parallel
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
@@ -187,6 +187,7 @@ class SMPStrategy(DDPStrategy):
                 static_loss_scale=self._config.static_loss_scale,
                 dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
                 shard_optimizer_state=self._config.shard_optimizer_state,
+                sharded_clip_norm=self._config.sdp_gradient_clipping if self._sharded else None,
             )
         return self._precision_plugin
 
@@ -219,6 +220,7 @@ class SMPStrategy(DDPStrategy):
             order=config.placement_order,
             device_type=self.root_device.type,
             timeout=self._timeout,
+            sdp=config.sharded_data_parallel_degree,
         )
         plugin = self.precision_plugin
         if isinstance(plugin, SMPPrecision):
@@ -273,7 +275,8 @@ class SMPStrategy(DDPStrategy):
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Shard the model over this rank's tensor-parallel group, checkpoint the modules marked for it, and keep
         this rank's pipeline stage (in this order: see `activation_checkpointing`). A model on the meta device is
-        planned and pruned so, then only what this rank keeps is materialised (plan, then apply)."""
+        planned and pruned so, then only what this rank keeps is materialised (plan, then apply); last, under
+        sharded data parallelism, FSDP2 shards what is left over the data-parallel ranks."""
         config = self._config
         on_meta = has_meta_tensors(model)
         model = tensor_parallel.parallelize(model, topology=self.topology, config=config)
@@ -287,7 +290,21 @@ class SMPStrategy(DDPStrategy):
             self._pipeline = build_engine(model, topology=self.topology, config=config)
         if on_meta:
             materialize_kept(model, device=torch.device("cpu"))  # Lightning moves it to the device next
+        if self._sharded:
+            sharded_data_parallel.shard(model, topology=self.topology, config=config)
         return model
+
+    @property
+    def _sharded(self) -> bool:
+        """Whether parameters are sharded over data-parallel ranks (smp's sharded data parallelism, FSDP2)."""
+        return self._config.sharded_data_parallel_degree > 1
+
+    @override
+    def model_to_device(self) -> None:
+        # Under sharding FSDP2 has put the shards and buffers on the device; `Module.to` would swap each DTensor
+        # parameter for a new object, dropping its placement (the norm bookkeeping) and FSDP2's reference.
+        if not self._sharded:
+            super().model_to_device()
 
     @property
     @override
@@ -298,8 +315,8 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.topology.size("dp") == 1:
-            return  # one replica: there is nothing to all-reduce, so skip DDP's bucket copies
+        if self.topology.size("dp") == 1 or self._sharded:
+            return  # one replica: nothing to all-reduce; sharded data parallelism: FSDP2 reduces the grads
         if self._pipeline is not None or self._config.shard_optimizer_state:
             # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; with
             # sharded optimizer state the optimizer reduce-scatters instead. DDP's other job, making the replicas
@@ -338,7 +355,7 @@ class SMPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            output = super().training_step(*args, **kwargs)
+            output = self._unpipelined_step("training_step", args, kwargs)
         else:
             output = self._pipeline.training_step(
                 args,
@@ -353,19 +370,19 @@ class SMPStrategy(DDPStrategy):
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            return super().validation_step(*args, **kwargs)
+            return self._unpipelined_step("validation_step", args, kwargs)
         return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step"))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            return super().test_step(*args, **kwargs)
+            return self._unpipelined_step("test_step", args, kwargs)
         return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step"))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._pipeline is None:
-            return super().predict_step(*args, **kwargs)
+            return self._unpipelined_step("predict_step", args, kwargs)
         return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step"))
 
     @override
@@ -403,21 +420,33 @@ class SMPStrategy(DDPStrategy):
         finally:
             self._grad_sync_blocked = False
 
+    def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self._sharded:
+            return getattr(super(), name)(*args, **kwargs)
+        # FSDP2 gathers the root unit's parameters in the LightningModule's forward hooks: run the step as its
+        # forward (Lightning's forward redirection; the model is the LightningModule itself, not a wrapper).
+        with self._step_context(name)():
+            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+
     def _step_function(self, name: str) -> Any:
         """The LightningModule's ``name`` step under the precision plugin's context, for one microbatch."""
-        module, plugin = self.lightning_module, self.precision_plugin
-        context = {
-            "training_step": plugin.train_step_context,
-            "validation_step": plugin.val_step_context,
-            "test_step": plugin.test_step_context,
-            "predict_step": plugin.predict_step_context,
-        }[name]
+        module, context = self.lightning_module, self._step_context(name)
 
         def step(*args: Any, **kwargs: Any) -> Any:
             with context():
                 return getattr(module, name)(*args, **kwargs)
 
         return step
+
+    def _step_context(self, name: str) -> Any:
+        """The precision plugin's context manager for the ``name`` step."""
+        plugin = self.precision_plugin
+        return {
+            "training_step": plugin.train_step_context,
+            "validation_step": plugin.val_step_context,
+            "test_step": plugin.test_step_context,
+            "predict_step": plugin.predict_step_context,
+        }[name]
 
     def _loss_scale_tensor(self) -> Tensor | None:
         """The fp16 loss scale the pipelined backward multiplies the loss by, as the precision plugin would."""
@@ -576,7 +605,7 @@ def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) ->
 
 def _sync_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
     """Broadcast the first data-parallel replica's parameters and buffers to the others (what DDP does)."""
-    if topology.size("dp") > 1:
+    if topology.size("dp") > 1 and topology.sdp == 1:  # sharded: `sharded_data_parallel.shard` syncs, then shards
         _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
 
 

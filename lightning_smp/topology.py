@@ -110,6 +110,9 @@ class Topology:
     """The 3-D mesh, dims named "dp", "pp", "tp" in placement order."""
     _meshes: Mapping[str, DeviceMesh] = field(repr=False)
     _embedding_group: ProcessGroup | None = field(repr=False)
+    sdp: int = 1
+    """Sharded-data-parallel degree: ranks of the data-parallel axis one parameter is sharded over (1: none)."""
+    _sharding_meshes: Mapping[str, DeviceMesh] = field(default_factory=lambda: MappingProxyType({}), repr=False)
 
     @property
     def world_size(self) -> int:
@@ -146,18 +149,33 @@ class Topology:
         """This rank's index within its group on ``axis`` (its rank in ``group(axis)``)."""
         return self.group(axis).rank()
 
+    def sharding_mesh(self, *, sharded: bool = True) -> DeviceMesh:
+        """The data-parallel mesh ``fully_shard`` takes under sharded data parallelism: (replicas, shard group)
+        with the shard groups on neighbouring data-parallel ranks (HSDP, 1-D when one group spans dp); with
+        ``sharded=False`` (dp, 1), for modules kept whole on every rank whose grads are all-reduced."""
+        if self.sdp == 1:
+            raise ValueError(
+                "this run has no sharded data parallelism (sharded_data_parallel_degree=1); set "
+                "sharded_data_parallel_degree to a divisor of the data-parallel degree to shard parameters."
+            )
+        return self._sharding_meshes["sharded" if sharded else "whole"]
+
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on ``axis``, ascending (= group-rank order)."""
         return dist.get_process_group_ranks(self.group(axis))
 
 
-def build(*, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: timedelta | None = None) -> Topology:
+def build(
+    *, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: timedelta | None = None, sdp: int = 1
+) -> Topology:
     """Create the DeviceMesh and every process group of the run.
 
     Call it once on every rank, with the same arguments (group creation is collective), after the default
     process group exists. ``order`` is as in ``rank_groups``; ``device_type`` is the mesh's ("cuda", "cpu").
     ``timeout`` applies to every group made here, as to the default group: torch would otherwise give the
     subgroups its own default (30 minutes on gloo), and a rank stuck in a tp or pp collective would outwait it.
+    ``sdp`` (sharded data parallelism) splits the dp axis into shard groups of ``sdp`` neighbouring dp ranks
+    (see ``Topology.sharding_mesh``); it must divide ``dp``.
     """
     if not dist.is_initialized():
         raise RuntimeError(
@@ -180,6 +198,7 @@ def build(*, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: t
         # deprecated: slice in placement order and keep the flattened mesh ourselves.
         dims = tuple(_LETTER_AXIS[letter] for letter in letters if letter in _AXIS_LETTERS[flat_name])
         meshes[flat_name] = mesh[dims]._flatten(flat_name)
+    sharding_meshes = _sharding_meshes(meshes["dp"], dp=dp, sdp=sdp)
     layout = rank_groups(letters, dp=dp, pp=pp, tp=tp)
     if pp <= 2:
         # Stage 0 and stage pp-1 are the whole pipeline group: reuse it rather than open another communicator.
@@ -195,10 +214,13 @@ def build(*, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: t
         mesh=mesh,
         _meshes=MappingProxyType(meshes),
         _embedding_group=embedding_group,
+        sdp=sdp,
+        _sharding_meshes=MappingProxyType(sharding_meshes),
     )
     _check_groups(topology, layout)
     if timeout is not None:
-        groups = [*(mesh.get_group() for mesh in meshes.values()), embedding_group]
+        sharding_groups = [group for mesh in sharding_meshes.values() for group in mesh.get_all_groups()]
+        groups = [*(mesh.get_group() for mesh in meshes.values()), embedding_group, *sharding_groups]
         for group in {id(g): g for g in groups if g is not None}.values():
             _set_pg_timeout(timeout, group)
     log.info(
@@ -212,6 +234,20 @@ def build(*, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: t
         " ".join(f"{axis}={c}" for axis, c in coordinates(topology.global_rank, letters, dp=dp, pp=pp, tp=tp).items()),
     )
     return topology
+
+
+def _sharding_meshes(dp_mesh: DeviceMesh, *, dp: int, sdp: int) -> dict[str, DeviceMesh]:
+    """The meshes of sharded data parallelism, split from the dp mesh (FSDP2 reads a 2-D mesh as replicate x
+    shard): "sharded" puts ``sdp`` neighbouring dp ranks in a shard group, "whole" shards over one rank."""
+    if isinstance(sdp, bool) or not isinstance(sdp, int) or sdp < 1 or dp % sdp:
+        raise ValueError(
+            f"sharded_data_parallel_degree={sdp!r} does not divide the data-parallel degree {dp}; pick a divisor "
+            f"of {dp} (the ranks one parameter is sharded over), e.g. sharded_data_parallel_degree={dp}."
+        )
+    if sdp == 1:
+        return {}
+    sharded = dp_mesh if sdp == dp else dp_mesh._unflatten(0, (dp // sdp, sdp), ("sdp_replicate", "sdp"))
+    return {"sharded": sharded, "whole": dp_mesh._unflatten(0, (dp, 1), ("sdp_whole_replicate", "sdp_whole"))}
 
 
 def _layout(order: str, *, dp: int, pp: int, tp: int) -> tuple[str, dict[str, int]]:

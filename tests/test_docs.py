@@ -203,6 +203,7 @@ _GROUP_OF_PATH = {
     "delayed_init.py": "Model creation and memory",
     "materialization.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
+    "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",
     "pipeline/": "Pipeline parallelism",

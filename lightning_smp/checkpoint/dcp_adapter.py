@@ -3,7 +3,8 @@
 Owns what DCP is handed for each entry (a tensor, or this rank's chunks of a tensor-parallel one) and our save and
 load planners, which look those chunks up. Not owned: which entries a checkpoint has (`saving.py`, `loading.py`)
 or which piece a rank holds (`placement.py`). DCP reads any chunk layout into any other, which is
-resharding; describing our shards as chunks (packed q/k/v blocks included) gets that without DTensor.
+resharding; describing our shards as chunks (packed q/k/v blocks included) gets that without DTensor. The
+DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from lightning_smp.checkpoint.verification import CheckpointError
 from lightning_smp.placement import TPShard
@@ -145,6 +147,8 @@ def stored_like_param(value: Any, param: Tensor | None, shard: TPShard | None, e
 def state_target(info: TensorStorageMetadata, param: Tensor | None, shard: TPShard | None) -> Any:
     """Where one saved optimizer state tensor loads: this rank's chunks when it is shaped like its parameter."""
     dtype = info.properties.dtype
+    if isinstance(param, DTensor) and tuple(info.size) == tuple(param.shape):
+        return torch.empty_like(param, dtype=dtype)  # sharded data parallelism: DCP reads this rank's shard
     if shard is not None and param is not None and tuple(info.size) == tuple(global_size(ShardChunks(param, shard))):
         return ShardChunks(torch.empty(param.shape, dtype=dtype), shard)
     return torch.empty(info.size, dtype=dtype)
