@@ -65,23 +65,27 @@ class MasterWeightOptimizer(Optimizer):
     ) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("The optimizer is already a MasterWeightOptimizer; wrap the plain optimizer once.")
-        # Deliberately no `super().__init__`: the param groups and state are the inner optimizer's own objects.
-        self._inner = optimizer
-        self._step_state = _StepState()
-        self._vote = vote if vote is not None else GradientVote()
         params = _params_of(optimizer)
         device = _single_device(params)
+        self._init_update_state(optimizer, loss_scaler, device)
+        self._vote = vote if vote is not None else GradientVote()
         sharded = shard_group is not None and dist.get_world_size(shard_group) > 1
         self._masters = ShardedMasters(params, device, shard_group) if sharded else WholeMasters(params, device)
         optimized = self._masters.optimized()
         for group in optimizer.param_groups:
             group["params"] = [optimized[id(p)] for p in group["params"] if id(p) in optimized]
+        self._fused = any(group.get("fused") for group in optimizer.param_groups)
 
+    def _init_update_state(self, optimizer: Optimizer, loss_scaler: LossScaler | None, device: torch.device) -> None:
+        """What every update keeps, wherever the masters live (here, or FSDP2's shards in a subclass): the inner
+        optimizer, the loss scale, the overflow flag, the skipped-step count. Deliberately no
+        `Optimizer.__init__`: the param groups and state are the inner optimizer's own objects."""
+        self._inner = optimizer
+        self._step_state = _StepState()
         self._loss_scaler = loss_scaler.to(device) if loss_scaler is not None else None
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._skipped_steps = torch.zeros((), dtype=torch.float32, device=device)
         self._last_skip = HostMirror(device)
-        self._fused = any(group.get("fused") for group in optimizer.param_groups)
 
     # -- the inner optimizer's objects, shared ------------------------------------------------------------------
 

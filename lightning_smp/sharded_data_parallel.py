@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +23,6 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 
-from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import LossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
 from lightning_smp.pipeline.partition import find_trunk
@@ -83,14 +81,6 @@ def _shared_parameters(model: nn.Module) -> set[int]:
     return {key for key, count in holders.items() if count > 1}
 
 
-@dataclass
-class _StepState:
-    """Per-step flag in a mutable object: Lightning's `LightningOptimizer` copies this optimizer's attributes, so a
-    method must never assign one on ``self``."""
-
-    grads_read: bool = False  # the grads of the latest backward are unscaled and the overflow vote is taken
-
-
 class ShardedOptimizer(MasterWeightOptimizer):
     """The update of a sharded-data-parallel run: the user's optimizer steps the sharded fp32 parameters directly.
 
@@ -112,8 +102,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
     ) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("The optimizer is already wrapped; wrap the plain optimizer once.")
-        # Deliberately no `super().__init__`: there are no masters to copy; param groups and state are the inner's.
-        self._inner = optimizer
+        # Not `super().__init__`: there are no masters to copy, only the update's state to keep.
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         plain = [tuple(p.shape) for p in self._params if not isinstance(p, DTensor)]
         if plain:
@@ -123,14 +112,9 @@ class ShardedOptimizer(MasterWeightOptimizer):
                 "`configure_optimizers` from `self.parameters()`, which runs after the model is sharded."
             )
         device = self._params[0].to_local().device if self._params else torch.device("cpu")
-        # The loss-scale state under the base class's names, which its read-only properties answer from.
-        self._state = _StepState()
+        self._init_update_state(optimizer, loss_scaler, device)
         self._group: dist.ProcessGroup | None = topology.group("world")
         self._clip_norm = clip_norm
-        self._loss_scaler = loss_scaler.to(device) if loss_scaler is not None else None
-        self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
-        self._skipped_steps = torch.zeros((), dtype=torch.float32, device=device)
-        self._last_skip = HostMirror(device)
         # How often each value of a parameter's grad is held across the job, where it counts in the norm (0: never).
         self._norm_copies = [_copies(p) if placement_of(p).counts_in_norm else 0 for p in self._params]
 
@@ -154,13 +138,13 @@ class ShardedOptimizer(MasterWeightOptimizer):
     # -- one update ---------------------------------------------------------------------------------------------
 
     def note_backward(self) -> None:
-        self._state.grads_read = False
+        self._step_state.grads_read = False
 
     def unscale_grads(self) -> None:
         """Unscale this rank's grad shards in place and decide overflow for the whole job, once per backward."""
-        if self._state.grads_read:
+        if self._step_state.grads_read:
             return
-        self._state.grads_read = True
+        self._step_state.grads_read = True
         self._found_inf.zero_()
         if self._loss_scaler is None:
             return
@@ -204,7 +188,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._inner.zero_grad(set_to_none=set_to_none)
-        self._state.grads_read = False
+        self._step_state.grads_read = False
 
     def forget_process_groups(self) -> None:
         self._group = None
