@@ -26,11 +26,10 @@ from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.partition import (
     OutsidePlan,
     PartitionPlan,
-    assigned_partition,
     describe_children,
     find_trunk,
+    plan_configured_partition,
     plan_outside,
-    plan_partition,
 )
 from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
 from lightning_smp.topology import rank_groups
@@ -410,19 +409,8 @@ class _Placement:
         if stages == 1:
             return cls(1)
         trunk_name, trunk = find_trunk(model, config.pipeline_module)
-        assignment = None
-        if not config.auto_partition and config.partition is None:
-            assignment = [assigned_partition(child) for child in trunk.children()]
-        plan = plan_partition(
-            trunk_name,
-            describe_children(trunk, trunk_name),
-            stages=stages,
-            chunks_per_stage=config.virtual_stages,
-            sizes=config.partition,
-            auto=config.auto_partition,
-            memory_weight=config.memory_weight,
-            assignment=assignment,
-            default=config.default_partition,
+        plan = plan_configured_partition(
+            trunk_name, trunk, describe_children(trunk, trunk_name), stages=stages, config=config
         )
         return cls(stages, plan, plan_outside(model, plan))
 

@@ -14,9 +14,13 @@ import contextvars
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from lightning_smp.config import SMPConfig
 
 __all__ = [
     "ChildCost",
@@ -28,6 +32,7 @@ __all__ = [
     "describe_children",
     "find_trunk",
     "partition",
+    "plan_configured_partition",
     "plan_outside",
     "plan_partition",
     "set_partition",
@@ -472,6 +477,28 @@ def _check_index(index: int, caller: str) -> None:
 
 
 # -- the plan ----------------------------------------------------------------------------------------------------
+
+
+def plan_configured_partition(
+    trunk_name: str, trunk: nn.Module, children: Sequence[ChildCost], *, stages: int, config: SMPConfig
+) -> PartitionPlan:
+    """`plan_partition` with the run's settings: ``partition`` sizes, the cost model (``auto_partition``,
+    ``memory_weight``), or the trunk children's smp.partition tags with ``default_partition``. The strategy and
+    the memory planner both plan through it, so the planner's cut is the run's."""
+    assignment = None
+    if not config.auto_partition and config.partition is None:
+        assignment = [assigned_partition(child) for child in trunk.children()]
+    return plan_partition(
+        trunk_name,
+        children,
+        stages=stages,
+        chunks_per_stage=config.virtual_stages,
+        sizes=config.partition,
+        auto=config.auto_partition,
+        memory_weight=config.memory_weight,
+        assignment=assignment,
+        default=config.default_partition,
+    )
 
 
 def plan_partition(

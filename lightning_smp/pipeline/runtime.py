@@ -38,12 +38,11 @@ from lightning_smp.pipeline.p2p import NOTHING, Transport
 from lightning_smp.pipeline.partition import (
     OutsidePlan,
     PartitionPlan,
-    assigned_partition,
     bytes_per_param,
     describe_children,
     find_trunk,
+    plan_configured_partition,
     plan_outside,
-    plan_partition,
 )
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.pipeline.trace import measure_children
@@ -76,20 +75,7 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
     if getattr(module, "example_input_array", None) is not None and not _on_meta(trunk):
         # On the meta device (delayed initialisation) nothing can run yet: the cost model counts parameters.
         children = measure_children(module, trunk, children, module.example_input_array)
-    assignment = None
-    if not config.auto_partition and config.partition is None:
-        assignment = [assigned_partition(child) for child in trunk.children()]
-    plan = plan_partition(
-        trunk_name,
-        children,
-        stages=topology.pp,
-        chunks_per_stage=config.virtual_stages,
-        sizes=config.partition,
-        auto=config.auto_partition,
-        memory_weight=config.memory_weight,
-        assignment=assignment,
-        default=config.default_partition,
-    )
+    plan = plan_configured_partition(trunk_name, trunk, children, stages=topology.pp, config=config)
     outside = plan_outside(module, plan)
     trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
     per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
