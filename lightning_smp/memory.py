@@ -363,39 +363,8 @@ def _report(
     for stage in range(layout.pp):
         if layout.sdp > 1:  # pp = 1, as the config requires
             count, step_buffer = _sharded_data_parallel(model, params, sharded, layout, config)
-            ranks.append(
-                RankMemory(
-                    stage=stage,
-                    ranks=tuple(group[stage] for group in groups),
-                    activations=None if activations is None else activations[stage],
-                    in_flight=_in_flight(layout.pp, stage, config),
-                    step_buffer=step_buffer,
-                    **count,
-                )
-            )
-            continue
-        count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
-        trained_by_size: dict[int, int] = {}  # bytes per element in the run → trained elements (sharded buckets)
-        for param, names in params.values():
-            if stage not in placement.stages_of(names):
-                continue
-            elements = param.numel() // layout.tp if id(param) in sharded else param.numel()
-            size = param.element_size() if half is None or id(param) in fp32_owners else half.itemsize
-            count["parameters"] += elements * size
-            if not param.requires_grad:
-                continue
-            count["gradients"] += elements * size
-            trained_by_size[size] = trained_by_size.get(size, 0) + elements
-            updated = size
-            if half is not None and id(param) not in fp32_owners:
-                count["masters"] += elements * _MASTER_BYTES
-                count["master_gradients"] += elements * _MASTER_BYTES
-                updated = _MASTER_BYTES
-            count["optimizer_state"] += elements * updated * _OPTIMIZER_STATES
-        step_buffer = 0
-        if layout.shard_optimizer_state:
-            count.update(_sharded_masters(trained_by_size, layout.dp))
-            step_buffer = _sharded_step_buffer(trained_by_size, layout.dp)
+        else:
+            count, step_buffer = _stage_states(stage, params, sharded, placement, fp32_owners, layout, half)
         ranks.append(
             RankMemory(
                 stage=stage,
@@ -408,6 +377,41 @@ def _report(
         )
     precision = "fp32" if half is None else f"{'fp16' if half == torch.float16 else 'bf16'} with fp32 masters"
     return MemoryReport(layout, precision, tuple(ranks), note, device_memory)
+
+
+def _stage_states(
+    stage: int,
+    params: dict[int, tuple[nn.Parameter, list[str]]],
+    tensor_parallel: set[int],
+    placement: _Placement,
+    fp32_owners: set[int],
+    layout: Layout,
+    half: torch.dtype | None,
+) -> tuple[dict[str, int], int]:
+    """Model states of one rank of ``stage`` (16-bit parameters and grads with fp32 masters under fp16/bf16, the
+    masters' share under ``shard_optimizer_state``) and the step buffer of that sharding."""
+    count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
+    trained_by_size: dict[int, int] = {}  # bytes per element in the run → trained elements (sharded buckets)
+    for param, names in params.values():
+        if stage not in placement.stages_of(names):
+            continue
+        elements = param.numel() // layout.tp if id(param) in tensor_parallel else param.numel()
+        size = param.element_size() if half is None or id(param) in fp32_owners else half.itemsize
+        count["parameters"] += elements * size
+        if not param.requires_grad:
+            continue
+        count["gradients"] += elements * size
+        trained_by_size[size] = trained_by_size.get(size, 0) + elements
+        updated = size
+        if half is not None and id(param) not in fp32_owners:
+            count["masters"] += elements * _MASTER_BYTES
+            count["master_gradients"] += elements * _MASTER_BYTES
+            updated = _MASTER_BYTES
+        count["optimizer_state"] += elements * updated * _OPTIMIZER_STATES
+    if not layout.shard_optimizer_state:
+        return count, 0
+    count.update(_sharded_masters(trained_by_size, layout.dp))
+    return count, _sharded_step_buffer(trained_by_size, layout.dp)
 
 
 def _sharded_data_parallel(
