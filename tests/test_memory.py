@@ -381,15 +381,22 @@ def _assert_planned_within_10_percent(rows: list[dict]) -> None:
             assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
 
 
-@pytest.mark.timeout(600)  # two short fits in fresh processes, two ranks each
-def test_sharded_optimizer_state_halves_masters_and_adam_state_at_dp2_as_planned(tmp_path):
-    """dp2 with and without shard_optimizer_state: the planner within 10% of every rank's live bytes, and each
-    sharded rank's fp32 masters + optimizer state at most 0.52 of an unsharded rank's (1/2 plus the padding)."""
-    result = _measured_and_planned(tmp_path, "dp2,dp2-sharded", heads="untied")
+@pytest.mark.timeout(900)  # three short fits in fresh processes, two ranks each
+def test_sharded_optimizer_state_and_sharded_data_parallel_at_dp2_as_planned(tmp_path):
+    """dp2, dp2 with shard_optimizer_state and sdp2 (sharded_data_parallel_degree=2, every module sharded): the
+    planner within 10% of every rank's live bytes; each ZeRO-1 rank's fp32 masters + optimizer state at most 0.52 of
+    an unsharded rank's (1/2 plus the padding), each sdp2 rank's whole model states (parameters, gradients, masters,
+    their gradients, optimizer state) at most 0.55 of a dp2 rank's."""
+    result = _measured_and_planned(tmp_path, "dp2,dp2-sharded,sdp2", heads="untied")
     rows = result["rows"]
-    assert [(row["layout"], len(row["ranks"])) for row in rows] == [("dp2", 2), ("dp2-sharded", 2)]
+    assert [(row["layout"], len(row["ranks"])) for row in rows] == [("dp2", 2), ("dp2-sharded", 2), ("sdp2", 2)]
     _assert_planned_within_10_percent(rows)
-    whole, sharded = ([r["masters"] + r["optimizer_state"] for r in row["ranks"]] for row in rows)
+    whole, sharded = ([r["masters"] + r["optimizer_state"] for r in row["ranks"]] for row in rows[:2])
     assert max(sharded) <= 0.52 * min(whole), (sharded, whole)
-    (summary,) = [s for s in result["summary"] if s["layout"] == "dp2-sharded"]
-    assert summary["masters_and_state_of_unsharded"] <= 0.52 and summary["step_time_of_unsharded"] > 0
+    kinds = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
+    replicated, sdp = ([sum(r[kind] for kind in kinds) for r in row["ranks"]] for row in (rows[0], rows[2]))
+    assert max(sdp) <= 0.55 * min(replicated), (sdp, replicated)
+    summary = {s["layout"]: s for s in result["summary"]}
+    assert summary["dp2-sharded"]["masters_and_state_of_unsharded"] <= 0.52
+    assert summary["sdp2"]["model_states_of_unsharded"] <= 0.55
+    assert summary["dp2-sharded"]["step_time_of_unsharded"] > 0 and summary["sdp2"]["step_time_of_unsharded"] > 0
