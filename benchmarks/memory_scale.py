@@ -5,8 +5,10 @@ in an ``nn.ModuleList`` (the pipelined trunk), a LayerNorm and an ``nn.Linear`` 
 not — built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` and trained
 with fp16, fp32 masters and AdamW. Under tensor parallelism the head is split by the plan a user would write,
 ``tensor_parallel_plan={"head": "colwise"}``, with the loss from ``vocab_parallel_cross_entropy``. Each layout
-(one device, tp2, pp2, pp2×tp2, and dp2 with and without ``shard_optimizer_state``) and head runs in a fresh process
-whose ranks Lightning launches (as ``tp_memory.py``). Every rank reports, from the live model and optimizer:
+(one device, tp2, pp2, pp2×tp2, dp2 with and without ``shard_optimizer_state``, and sdp2:
+``sharded_data_parallel_degree=2`` with ``sdp_param_persistence_threshold=0`` so that every module shards) and head
+runs in a fresh process whose ranks Lightning launches (as ``tp_memory.py``). Every rank reports, from the live
+model and optimizer (the local shards, where a tensor is a DTensor):
 
 - the exact bytes of its parameters, their gradients (before the second optimizer step), the fp32 masters and their
   gradient buffer, and the optimizer state (after it);
@@ -14,7 +16,7 @@ whose ranks Lightning launches (as ``tp_memory.py``). Every rank reports, from t
   when training starts (model creation and setup only), and the RSS it held just before ``Trainer.fit`` (so that
   the growth is what the fit added);
 - what `lightning_smp.estimate_memory` plans for that rank, from the same model built on the meta device;
-- the wall time of its last training step (dp2-sharded's is compared with plain dp2's in the summary).
+- the wall time of its last training step (dp2-sharded's and sdp2's are compared with plain dp2's in the summary).
 
     python benchmarks/memory_scale.py                             # the 166M GPT of the issue (a while on a CPU)
     python benchmarks/memory_scale.py --size smoke --out x.json   # a tiny GPT, for tests
@@ -40,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPConfig, SMPStrategy, estimate_memory, smp
@@ -56,15 +59,17 @@ SIZES: dict[str, dict[str, int]] = {
     "medium": {"vocab": 8000, "width": 256, "heads": 8, "ff": 1024, "layers": 8, "seq": 16, "batch": 4},
     "full": {"vocab": 32000, "width": 1024, "heads": 16, "ff": 4096, "layers": 8, "seq": 16, "batch": 2},
 }
-# (pp, tp, dp, shard_optimizer_state)
-LAYOUTS: dict[str, tuple[int, int, int, bool]] = {
-    "1": (1, 1, 1, False),
-    "tp2": (1, 2, 1, False),
-    "pp2": (2, 1, 1, False),
-    "pp2xtp2": (2, 2, 1, False),
-    "dp2": (1, 1, 2, False),
-    "dp2-sharded": (1, 1, 2, True),
+# (pp, tp, dp, shard_optimizer_state, sharded_data_parallel_degree)
+LAYOUTS: dict[str, tuple[int, int, int, bool, int]] = {
+    "1": (1, 1, 1, False, 1),
+    "tp2": (1, 2, 1, False, 1),
+    "pp2": (2, 1, 1, False, 1),
+    "pp2xtp2": (2, 2, 1, False, 1),
+    "dp2": (1, 1, 2, False, 1),
+    "dp2-sharded": (1, 1, 2, True, 1),
+    "sdp2": (1, 1, 2, False, 2),
 }
+UNSHARDED = {"dp2-sharded": "dp2", "sdp2": "dp2"}  # a sharded layout → the same degrees without the sharding
 HEADS = ("untied", "tied")
 STEPS = 2  # the optimizer state exists after the first; the second is measured
 STATES = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
@@ -114,10 +119,12 @@ class ScaleGPT(L.LightningModule):
 
 def strategy_kwargs(layout: str, *, delayed_init: bool = False) -> dict[str, Any]:
     """The `SMPStrategy` settings of ``layout`` (the planner is given the same)."""
-    pp, tp, _, sharded = LAYOUTS[layout]
+    pp, tp, _, sharded, sdp = LAYOUTS[layout]
     kwargs: dict[str, Any] = {"fp16": True, "pipeline_parallel_degree": pp, "tensor_parallel_degree": tp}
     if sharded:
         kwargs["shard_optimizer_state"] = True
+    if sdp > 1:
+        kwargs.update(sharded_data_parallel_degree=sdp, sdp_param_persistence_threshold=0)
     if delayed_init:
         kwargs["delayed_parameter_initialization"] = True
     if pp > 1:
@@ -125,6 +132,15 @@ def strategy_kwargs(layout: str, *, delayed_init: bool = False) -> dict[str, Any
     if tp > 1:
         kwargs["tensor_parallel_plan"] = {"head": "colwise"}
     return kwargs
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """What this rank holds of ``tensor``: a DTensor's local shard (sharded data parallelism), else itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _bytes(tensors: list[Tensor]) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
 def _storage_bytes(tensors: list[Tensor]) -> int:
@@ -158,11 +174,11 @@ class _Measure(Callback):
         if trainer.global_step != STEPS - 1:
             return
         params = list({id(p): p for p in module.parameters()}.values())
-        own = {id(p) for p in params}  # fp32 parameters unsharded are their own masters
+        own = {id(p) for p in params}  # fp32 parameters (unsharded, or sdp's shards) are their own masters
         masters = [m for m in optimizer.master_params() if id(m) not in own]
         self.counts.update(
-            parameters=sum(p.numel() * p.element_size() for p in params),
-            gradients=sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+            parameters=_bytes(params),
+            gradients=_bytes([p.grad for p in params if p.grad is not None]),
             masters=_storage_bytes(masters),
             master_gradients=_storage_bytes([m.grad for m in masters if m.grad is not None]),
         )
@@ -172,7 +188,7 @@ class _Measure(Callback):
         if not state:
             raise RuntimeError("every step was skipped (fp16 overflow): AdamW holds no state to measure")
         tensors = [t for per_param in state.values() for t in per_param.values() if isinstance(t, Tensor)]
-        self.counts["optimizer_state"] = sum(t.numel() * t.element_size() for t in tensors)
+        self.counts["optimizer_state"] = _bytes(tensors)
         self.counts["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         record = {"rank": trainer.global_rank, "stage": smp.pp_rank(), "tp_rank": smp.tp_rank(), **self.counts}
         records: list[Any] = [None] * trainer.world_size
@@ -186,7 +202,7 @@ def run_layout(layout: str, head: str, size: str, path: str, *, delayed_init: bo
     rss_before_fit = _rss_bytes()
     torch.set_num_threads(1)
     shape = SIZES[size]
-    pp, tp, dp, _ = LAYOUTS[layout]
+    pp, tp, dp, *_ = LAYOUTS[layout]
     samples = STEPS * shape["batch"] * dp  # each replica runs STEPS batches
     tokens = torch.randint(0, shape["vocab"], (samples, shape["seq"] + 1), generator=torch.Generator().manual_seed(0))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=shape["batch"])
@@ -214,7 +230,7 @@ def _model(size: str, head: str) -> ScaleGPT:
 
 def planned(layout: str, head: str, size: str) -> list[dict[str, int]]:
     """The planner's model states per pipeline stage, for the model built on the meta device."""
-    pp, tp, dp, _ = LAYOUTS[layout]
+    pp, tp, dp, *_ = LAYOUTS[layout]
     config = SMPConfig(**strategy_kwargs(layout))
     model = _model(size, head)
     with smp.preview(config, world_size=pp * tp * dp), torch.device("meta"):
@@ -249,8 +265,8 @@ def _states(rank: dict[str, Any], kinds: tuple[str, ...] = STATES) -> int:
 
 
 def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per layout and head: the largest rank's figures, as fractions of one device's; a sharded layout's masters +
-    optimizer state and step time also as fractions of the same layout unsharded."""
+    """Per layout and head: the largest rank's figures, as fractions of one device's; a sharded layout's model states,
+    masters + optimizer state and step time also as fractions of the same layout unsharded (`UNSHARDED`)."""
     single = {row["head"]: row["ranks"][0] for row in rows if row["layout"] == "1"}
     by_layout = {(row["layout"], row["head"]): row for row in rows}
     kept = ("parameters", "masters", "optimizer_state")
@@ -258,9 +274,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     summary = []
     for row in rows:
         one = single.get(row["head"])
-        unsharded = by_layout.get((row["layout"].removesuffix("-sharded"), row["head"]))
-        if unsharded is row:
-            unsharded = None
+        unsharded = by_layout.get((UNSHARDED.get(row["layout"], ""), row["head"]))
         largest = max(row["ranks"], key=_states)
         step = max(r["step_seconds"] for r in row["ranks"])
         worst_plan = max(abs(_states(r["planned"]) / _states(r) - 1) for r in row["ranks"])
@@ -279,6 +293,9 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "creation_growth_mib": creation / 2**20,
                 "growth_of_one_device": growth / (one["peak_rss"] - one["rss_before_fit"]) if one else None,
                 "step_seconds": step,
+                "model_states_of_unsharded": (
+                    _states(largest) / max(_states(r) for r in unsharded["ranks"]) if unsharded else None
+                ),
                 "masters_and_state_of_unsharded": (
                     _states(largest, sharded_kinds) / max(_states(r, sharded_kinds) for r in unsharded["ranks"])
                     if unsharded
@@ -299,7 +316,8 @@ def print_table(summary: list[dict[str, Any]], size: str) -> None:
         f"{s['heads']}, {s['ff']}), Linear head; fp16 + fp32 masters + AdamW; batch {s['batch']} x {s['seq']} tokens"
     )
     header = ("head", "layout", "model states", "params+masters+opt / 1", "planned vs measured", "peak RSS")
-    header += ("growth", "growth / 1", "growth at train start", "step", "masters+opt / unsharded", "step / unsharded")
+    header += ("growth", "growth / 1", "growth at train start", "step", "states / unsharded")
+    header += ("masters+opt / unsharded", "step / unsharded")
     print("  ".join(header))
     for r in summary:
         kept, growth = _fraction(r["kept_of_one_device"]), _fraction(r["growth_of_one_device"])
@@ -307,7 +325,8 @@ def print_table(summary: list[dict[str, Any]], size: str) -> None:
             f"{r['head']:>4}  {r['layout']:>7}  {r['model_states_mib']:>9.1f} MiB  {kept:>22}  "
             f"{r['planned_error']:>19.1%}  {r['peak_rss_mib']:>4.0f} MiB  {r['growth_mib']:>6.0f} MiB  {growth:>10}  "
             f"{r['creation_growth_mib']:>17.0f} MiB  {r['step_seconds']:>5.2f} s  "
-            f"{_fraction(r['masters_and_state_of_unsharded']):>23}  {_fraction(r['step_time_of_unsharded']):>16}"
+            f"{_fraction(r['model_states_of_unsharded']):>18}  {_fraction(r['masters_and_state_of_unsharded']):>23}  "
+            f"{_fraction(r['step_time_of_unsharded']):>16}"
         )
 
 

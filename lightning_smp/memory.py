@@ -31,6 +31,7 @@ from lightning_smp.pipeline.partition import (
     plan_configured_partition,
     plan_outside,
 )
+from lightning_smp.sharded_data_parallel import plan_units
 from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
 from lightning_smp.topology import rank_groups
 
@@ -53,6 +54,14 @@ _SHARDED_ASSUMPTION = (
     "parameters in their dtype (the reduce-scatter's, then the all-gather's); saving a checkpoint gathers whole fp32 "
     "masters and optimizer state for a moment (not counted)"
 )
+_SDP_ASSUMPTION = (
+    "sharded_data_parallel_degree: the parameters of each sharded unit (a trunk child, the root's rest) are held as "
+    "fp32 shards of 1/sdp (dim 0 split, rounded up), which are the masters, with fp32 gradient shards and fp32 Adam "
+    "state over them; modules kept whole (sdp_param_persistence_threshold) hold all of their fp32 parameters, "
+    "gradients and state; the step buffer is the largest unit gathered for compute: its parameters and gradients in "
+    "the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the next unit "
+    "prefetched while one computes, the root kept gathered between forward and backward, the communication buffers"
+)
 _TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 ASSUMPTIONS = (
@@ -68,12 +77,15 @@ ASSUMPTIONS = (
 @dataclass(frozen=True, slots=True)
 class Layout:
     """Degrees of one layout; ``pp * tp * dp`` devices. ``shard_optimizer_state``: the fp32 masters, their
-    gradients and the optimizer state are split over the dp replicas (ZeRO-1; only meaningful with dp > 1)."""
+    gradients and the optimizer state are split over the dp replicas (ZeRO-1; only meaningful with dp > 1).
+    ``sdp``: ``sharded_data_parallel_degree`` (ZeRO-3: the fp32 parameters, gradients and optimizer state split over
+    groups of sdp replicas; divides dp, pp = 1)."""
 
     pp: int
     tp: int
     dp: int
     shard_optimizer_state: bool = False
+    sdp: int = 1
 
     @property
     def devices(self) -> int:
@@ -85,6 +97,7 @@ class Layout:
 
     def __str__(self) -> str:
         sharded = " (optimizer state sharded)" if self.shard_optimizer_state else ""
+        sharded += f" (sharded data parallel {self.sdp})" if self.sdp > 1 else ""
         return f"pp={self.pp} x tp={self.tp} x dp={self.dp}{sharded}"
 
 
@@ -109,7 +122,8 @@ class RankMemory:
     """Microbatches whose activations the stage holds at once under the schedule (pp = 1: all of the batch's)."""
     step_buffer: int = 0
     """Bytes a step allocates and frees again: under ``shard_optimizer_state`` the flat gradients for the
-    reduce-scatter, then the flat parameters for the all-gather (one at a time, the parameters' dtype)."""
+    reduce-scatter, then the flat parameters for the all-gather (one at a time, the parameters' dtype); under
+    sharded data parallelism the largest unit gathered for compute (see the report's assumptions)."""
 
     @property
     def model_states(self) -> int:
@@ -177,6 +191,8 @@ class MemoryReport:
         )
         lines.append(f"Activations: {self.activation_note}")
         assumptions = (*ASSUMPTIONS, _SHARDED_ASSUMPTION) if self.layout.shard_optimizer_state else ASSUMPTIONS
+        if self.layout.sdp > 1:  # no 16-bit copies nor separate masters: the fp32 shards are both
+            assumptions = (ASSUMPTIONS[0], *ASSUMPTIONS[2:], _SDP_ASSUMPTION)
         lines += [f"Assumes {line}." for line in assumptions]
         return "\n".join(lines)
 
@@ -205,7 +221,11 @@ def estimate_memory(
     world_size = config.model_parallel_degree if world_size is None else world_size
     dp = config.data_parallel_degree(world_size)
     layout = Layout(
-        config.pipeline_parallel_degree, config.tensor_parallel_degree, dp, config.shard_optimizer_state and dp > 1
+        config.pipeline_parallel_degree,
+        config.tensor_parallel_degree,
+        dp,
+        config.shard_optimizer_state and dp > 1,
+        config.sharded_data_parallel_degree,
     )
     return _report(model, layout, config, _as_bytes(device_memory), micro_batch_size, sequence_length)
 
@@ -221,8 +241,10 @@ def fitting_layouts(
 ) -> list[MemoryReport]:
     """The layouts of ``devices`` devices whose largest rank fits ``device_memory``, smallest model-parallel degree
     (pp × tp) first, then least memory. Every pp and tp whose product divides ``devices`` is tried (dp is the rest);
-    with dp > 1 a layout that does not fit is tried again with ``shard_optimizer_state`` (always, when ``config``
-    sets it), so sharding is listed where it is what makes the layout fit. Other settings come from ``config``,
+    with dp > 1 a layout that does not fit is tried again with ``shard_optimizer_state``, then (pp = 1) with
+    ``sharded_data_parallel_degree`` = dp, so sharding is listed where it is what makes the layout fit; ``config``'s
+    own sharding is where the tries start (with sharded data parallelism, pp > 1 layouts are left out, as smp
+    could not combine them). Other settings come from ``config``,
     ``partition`` only where pp is the configured one. ``model`` may be a
     function of the tensor-parallel degree that builds the model, for models whose construction reads it
     (``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``). Layouts the model cannot take (a trunk with
@@ -232,8 +254,7 @@ def fitting_layouts(
     built: dict[int, nn.Module] = {}
     found = []
     for degrees in _layouts(devices):
-        sharding = [False, True] if degrees.dp > 1 and not base.shard_optimizer_state else [degrees.dp > 1]
-        for layout in [dataclasses.replace(degrees, shard_optimizer_state=shard) for shard in sharding]:
+        for layout in _sharding_tries(degrees, base):
             try:
                 layout_config = dataclasses.replace(
                     base,
@@ -241,6 +262,7 @@ def fitting_layouts(
                     tensor_parallel_degree=layout.tp,
                     partition=base.partition if layout.pp == base.pipeline_parallel_degree else None,
                     shard_optimizer_state=layout.shard_optimizer_state,
+                    sharded_data_parallel_degree=layout.sdp,
                 )
                 if not isinstance(model, nn.Module) and layout.tp not in built:
                     built[layout.tp] = model(layout.tp)
@@ -254,6 +276,24 @@ def fitting_layouts(
     return sorted(found, key=lambda r: (r.layout.model_parallel, r.largest.total, r.layout.pp))
 
 
+def _sharding_tries(degrees: Layout, base: SMPConfig) -> list[Layout]:
+    """``degrees`` unsharded, with the optimizer state sharded, then (pp = 1) with sharded data parallelism over
+    every replica: from the sharding ``base`` asks for on, as far as the degrees allow."""
+    if degrees.dp == 1:
+        return [degrees]
+    tries = [degrees, dataclasses.replace(degrees, shard_optimizer_state=True)]
+    if degrees.pp == 1:
+        tries.append(dataclasses.replace(degrees, sdp=degrees.dp))
+    start = 2 if base.sharded_data_parallel_degree > 1 else int(base.shard_optimizer_state)
+    return tries[start:]
+
+
+def _sharding_name(layout: Layout) -> str:
+    if layout.sdp > 1:
+        return f"sdp={layout.sdp}"
+    return "sharded" if layout.shard_optimizer_state else "whole"
+
+
 def layouts_table(reports: Sequence[MemoryReport]) -> str:
     """One line per layout: the degrees and the largest rank's memory, by kind."""
     header = ("pp", "tp", "dp", "optimizer state", "largest rank", "model states", "activations in flight", "stage")
@@ -262,7 +302,7 @@ def layouts_table(reports: Sequence[MemoryReport]) -> str:
             str(r.layout.pp),
             str(r.layout.tp),
             str(r.layout.dp),
-            "sharded" if r.layout.shard_optimizer_state else "whole",
+            _sharding_name(r.layout),
             format_bytes(r.largest.total),
             format_bytes(r.largest.model_states),
             "-" if r.largest.activations is None else format_bytes(r.largest.activations * r.largest.in_flight),
@@ -314,34 +354,17 @@ def _report(
     params = _named_parameters(model)
     sharded = _tensor_parallel_shards(model, layout.tp, config, params)
     placement = _Placement.of(model, layout.pp, config)
+
     fp32_owners = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
     half = config.half_dtype
     activations, note = _activations(model, placement, layout.tp, sharded, half, micro_batch_size, sequence_length)
     groups = rank_groups(config.placement_order, dp=layout.dp, pp=layout.pp, tp=layout.tp)["pp"]
     ranks = []
     for stage in range(layout.pp):
-        count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
-        trained_by_size: dict[int, int] = {}  # bytes per element in the run → trained elements (sharded buckets)
-        for param, names in params.values():
-            if stage not in placement.stages_of(names):
-                continue
-            elements = param.numel() // layout.tp if id(param) in sharded else param.numel()
-            size = param.element_size() if half is None or id(param) in fp32_owners else half.itemsize
-            count["parameters"] += elements * size
-            if not param.requires_grad:
-                continue
-            count["gradients"] += elements * size
-            trained_by_size[size] = trained_by_size.get(size, 0) + elements
-            updated = size
-            if half is not None and id(param) not in fp32_owners:
-                count["masters"] += elements * _MASTER_BYTES
-                count["master_gradients"] += elements * _MASTER_BYTES
-                updated = _MASTER_BYTES
-            count["optimizer_state"] += elements * updated * _OPTIMIZER_STATES
-        step_buffer = 0
-        if layout.shard_optimizer_state:
-            count.update(_sharded_masters(trained_by_size, layout.dp))
-            step_buffer = _sharded_step_buffer(trained_by_size, layout.dp)
+        if layout.sdp > 1:  # pp = 1, as the config requires
+            count, step_buffer = _sharded_data_parallel(model, params, sharded, layout, config)
+        else:
+            count, step_buffer = _stage_states(stage, params, sharded, placement, fp32_owners, layout, half)
         ranks.append(
             RankMemory(
                 stage=stage,
@@ -354,6 +377,76 @@ def _report(
         )
     precision = "fp32" if half is None else f"{'fp16' if half == torch.float16 else 'bf16'} with fp32 masters"
     return MemoryReport(layout, precision, tuple(ranks), note, device_memory)
+
+
+def _stage_states(
+    stage: int,
+    params: dict[int, tuple[nn.Parameter, list[str]]],
+    tensor_parallel: set[int],
+    placement: _Placement,
+    fp32_owners: set[int],
+    layout: Layout,
+    half: torch.dtype | None,
+) -> tuple[dict[str, int], int]:
+    """Model states of one rank of ``stage`` (16-bit parameters and grads with fp32 masters under fp16/bf16, the
+    masters' share under ``shard_optimizer_state``) and the step buffer of that sharding."""
+    count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
+    trained_by_size: dict[int, int] = {}  # bytes per element in the run → trained elements (sharded buckets)
+    for param, names in params.values():
+        if stage not in placement.stages_of(names):
+            continue
+        elements = param.numel() // layout.tp if id(param) in tensor_parallel else param.numel()
+        size = param.element_size() if half is None or id(param) in fp32_owners else half.itemsize
+        count["parameters"] += elements * size
+        if not param.requires_grad:
+            continue
+        count["gradients"] += elements * size
+        trained_by_size[size] = trained_by_size.get(size, 0) + elements
+        updated = size
+        if half is not None and id(param) not in fp32_owners:
+            count["masters"] += elements * _MASTER_BYTES
+            count["master_gradients"] += elements * _MASTER_BYTES
+            updated = _MASTER_BYTES
+        count["optimizer_state"] += elements * updated * _OPTIMIZER_STATES
+    if not layout.shard_optimizer_state:
+        return count, 0
+    count.update(_sharded_masters(trained_by_size, layout.dp))
+    return count, _sharded_step_buffer(trained_by_size, layout.dp)
+
+
+def _sharded_data_parallel(
+    model: nn.Module,
+    params: dict[int, tuple[nn.Parameter, list[str]]],
+    tensor_parallel: set[int],
+    layout: Layout,
+    config: SMPConfig,
+) -> tuple[dict[str, int], int]:
+    """A rank's model states under ``sharded_data_parallel_degree`` (the units of `plan_units`, as ``shard`` wraps
+    them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
+    parameter, whole ones for the modules kept whole; and the step buffer of the largest unit gathered."""
+    plan = plan_units(model, config)
+    whole = {id(p) for module, is_sharded in plan if not is_sharded for p in module.parameters(recurse=False)}
+    unit_of: dict[int, int] = {}
+    for index, (module, is_sharded) in enumerate(plan):  # descendants first: a parameter's innermost unit
+        for param in module.parameters() if is_sharded else ():
+            unit_of.setdefault(id(param), index)
+    count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
+    gathered: dict[int, int] = {}  # unit → bytes gathered for its compute (parameters, gradients, fp32 reduce input)
+    half = config.half_dtype
+    compute = _MASTER_BYTES if half is None else half.itemsize
+    for key, (param, _) in params.items():
+        elements = param.numel() // layout.tp if key in tensor_parallel else param.numel()
+        local = elements if key in whole else -(-elements // layout.sdp)
+        count["parameters"] += local * _MASTER_BYTES
+        if key not in whole:
+            per_element = compute + (
+                (compute + (_MASTER_BYTES if half is not None else 0)) if param.requires_grad else 0
+            )
+            gathered[unit_of[key]] = gathered.get(unit_of[key], 0) + elements * per_element
+        if param.requires_grad:
+            count["gradients"] += local * _MASTER_BYTES
+            count["optimizer_state"] += local * _MASTER_BYTES * _OPTIMIZER_STATES
+    return count, max(gathered.values(), default=0)
 
 
 def _sharded_masters(trained_by_size: Mapping[int, int], dp: int) -> dict[str, int]:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
     from lightning_smp.topology import Topology
 
-__all__ = ["ShardedOptimizer", "shard"]
+__all__ = ["ShardedOptimizer", "plan_units", "shard"]
 
 
 def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
@@ -49,21 +49,30 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
     placements = {name: placement_of(param) for name, param in model.named_parameters()}
     _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
-    sharded, whole = topology.sharding_mesh(), topology.sharding_mesh(sharded=False)
+    meshes = {True: topology.sharding_mesh(), False: topology.sharding_mesh(sharded=False)}
+    for module, is_sharded in plan_units(model, config):
+        fully_shard(module, mesh=meshes[is_sharded], mp_policy=policy)
+    for name, param in model.named_parameters():  # fully_shard made new parameter objects
+        set_placement(param, placements[name])
+
+
+def plan_units(model: nn.Module, config: SMPConfig) -> list[tuple[nn.Module, bool]]:
+    """The modules `shard` wraps, descendants before their ancestors (as FSDP2 asks), each with whether it is
+    sharded (True: a trunk child or the root, last) or kept whole on every rank (False: its own parameters all
+    below ``sdp_param_persistence_threshold`` and not shared). Pure: the memory planner reads it too."""
     units = set(_trunk_children(model, config.pipeline_module))
     shared = _shared_parameters(model)
     threshold = config.sdp_param_persistence_threshold
-    for module in reversed(list(model.modules())):  # descendants before their ancestors, as FSDP2 asks
+    planned = []
+    for module in reversed(list(model.modules())):
         own = list(module.parameters(recurse=False))
         if module is model:
             continue
         if own and all(p.numel() < threshold and id(p) not in shared for p in own):
-            fully_shard(module, mesh=whole, mp_policy=policy)
+            planned.append((module, False))
         elif module in units and any(True for _ in module.parameters()):
-            fully_shard(module, mesh=sharded, mp_policy=policy)
-    fully_shard(model, mesh=sharded, mp_policy=policy)
-    for name, param in model.named_parameters():  # fully_shard made new parameter objects
-        set_placement(param, placements[name])
+            planned.append((module, True))
+    return [*planned, (model, True)]
 
 
 def _trunk_children(model: nn.Module, path: str | None) -> list[nn.Module]:

@@ -110,6 +110,48 @@ def test_sharded_optimizer_state_keeps_batchnorm_in_its_own_fp32_bucket():
 # -- what each rank holds -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("precision", [{"fp16": True}, {"bf16": True}, {}])
+def test_sharded_data_parallel_keeps_1_over_sdp_of_fp32_parameters_grads_and_adam_state(precision):
+    model = _gpt()
+    config = {**precision, "sharded_data_parallel_degree": 4, "sdp_param_persistence_threshold": 0}
+    report = estimate_memory(model, config=config, world_size=4)
+    (rank,) = report.ranks
+    n = _numel(model)
+    assert (rank.parameters, rank.gradients, rank.masters, rank.master_gradients) == (n, n, 0, 0)  # 4 bytes / 4
+    assert rank.optimizer_state == 2 * n
+    block = _numel(model.blocks[0])
+    root = _numel(model) - LAYERS * block
+    compute = 4 if not precision else 2
+    per_element = compute + compute + (4 if precision else 0)  # gathered params, their grads, fp32 reduce input
+    assert rank.step_buffer == max(block, root) * per_element
+    assert rank.total == rank.model_states + rank.step_buffer
+    assert report.layout.sdp == 4 and "sharded data parallel 4" in str(report)
+    assert "fp32 shards of 1/sdp" in str(report) and "16-bit parameters and gradients" not in str(report)
+
+
+def test_sharded_data_parallel_keeps_modules_below_the_threshold_whole():
+    model = _gpt()
+    threshold = WIDTH * WIDTH + 1  # below: the LayerNorms and every bias; above: the embedding, the attention weights
+    config = {"fp16": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": threshold}
+    (rank,) = estimate_memory(model, config=config, world_size=2).ranks
+    whole = [
+        p
+        for m in model.modules()
+        if (own := list(m.parameters(recurse=False))) and all(p.numel() < threshold for p in own)
+        for p in own
+    ]
+    kept = sum(p.numel() for p in whole)
+    assert 0 < kept < _numel(model)
+    assert rank.parameters == 4 * kept + 4 * (_numel(model) - kept) // 2
+    everything = estimate_memory(model, config={**config, "sdp_param_persistence_threshold": 10**9}, world_size=2)
+    assert everything.largest.parameters == 4 * _numel(model) and everything.largest.step_buffer == 0
+
+
+def test_sharded_data_parallel_refuses_pipeline_parallelism_as_the_config_does():
+    with pytest.raises(ValueError, match="cannot be combined with pipeline_parallel_degree=2"):
+        estimate_memory(_gpt(), config={"pipeline_parallel_degree": 2, "sharded_data_parallel_degree": 2}, world_size=4)
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 def test_tensor_parallel_ranks_hold_a_share_of_what_the_plan_splits(tied):
     model = _gpt(tied=tied)
@@ -246,6 +288,25 @@ def test_fitting_layouts_shards_the_optimizer_state_where_that_makes_a_layout_fi
     assert (1, 8, 1) in {(r.layout.pp, r.layout.tp, r.layout.dp) for r in forced}  # dp = 1 stays listed
 
 
+def test_fitting_layouts_offers_sharded_data_parallelism_where_only_that_fits():
+    model = _gpt()
+    config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}, "sdp_param_persistence_threshold": 0}
+    zero1 = estimate_memory(model, config={**config, "shard_optimizer_state": True}, world_size=8).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=zero1 - 1, config=config)
+    assert str(found[0].layout) == "pp=1 x tp=1 x dp=8 (sharded data parallel 8)"
+    assert found[0].largest.total < zero1
+    assert layouts_table(found).splitlines()[1].split()[:4] == ["1", "1", "8", "sdp=8"]
+    degrees = [r.layout.model_parallel for r in found]
+    assert degrees == sorted(degrees)  # smallest model-parallel degree first
+    assert all(r.layout.sdp == 1 for r in found if r.layout.pp > 1)  # sdp cannot combine with a pipeline
+    asked = fitting_layouts(
+        model, devices=8, device_memory="1GiB", config={**config, "sharded_data_parallel_degree": 2}
+    )
+    sharded = [r.layout for r in asked if r.layout.dp > 1]
+    assert sharded and all(layout.sdp == layout.dp and layout.pp == 1 for layout in sharded)
+    assert (1, 8, 1) in {(r.layout.pp, r.layout.tp, r.layout.dp) for r in asked}  # dp = 1 stays listed
+
+
 def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
     built = []
 
@@ -320,15 +381,22 @@ def _assert_planned_within_10_percent(rows: list[dict]) -> None:
             assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
 
 
-@pytest.mark.timeout(600)  # two short fits in fresh processes, two ranks each
-def test_sharded_optimizer_state_halves_masters_and_adam_state_at_dp2_as_planned(tmp_path):
-    """dp2 with and without shard_optimizer_state: the planner within 10% of every rank's live bytes, and each
-    sharded rank's fp32 masters + optimizer state at most 0.52 of an unsharded rank's (1/2 plus the padding)."""
-    result = _measured_and_planned(tmp_path, "dp2,dp2-sharded", heads="untied")
+@pytest.mark.timeout(900)  # three short fits in fresh processes, two ranks each
+def test_sharded_optimizer_state_and_sharded_data_parallel_at_dp2_as_planned(tmp_path):
+    """dp2, dp2 with shard_optimizer_state and sdp2 (sharded_data_parallel_degree=2, every module sharded): the
+    planner within 10% of every rank's live bytes; each ZeRO-1 rank's fp32 masters + optimizer state at most 0.52 of
+    an unsharded rank's (1/2 plus the padding), each sdp2 rank's whole model states (parameters, gradients, masters,
+    their gradients, optimizer state) at most 0.55 of a dp2 rank's."""
+    result = _measured_and_planned(tmp_path, "dp2,dp2-sharded,sdp2", heads="untied")
     rows = result["rows"]
-    assert [(row["layout"], len(row["ranks"])) for row in rows] == [("dp2", 2), ("dp2-sharded", 2)]
+    assert [(row["layout"], len(row["ranks"])) for row in rows] == [("dp2", 2), ("dp2-sharded", 2), ("sdp2", 2)]
     _assert_planned_within_10_percent(rows)
-    whole, sharded = ([r["masters"] + r["optimizer_state"] for r in row["ranks"]] for row in rows)
+    whole, sharded = ([r["masters"] + r["optimizer_state"] for r in row["ranks"]] for row in rows[:2])
     assert max(sharded) <= 0.52 * min(whole), (sharded, whole)
-    (summary,) = [s for s in result["summary"] if s["layout"] == "dp2-sharded"]
-    assert summary["masters_and_state_of_unsharded"] <= 0.52 and summary["step_time_of_unsharded"] > 0
+    kinds = ("parameters", "gradients", "masters", "master_gradients", "optimizer_state")
+    replicated, sdp = ([sum(r[kind] for kind in kinds) for r in row["ranks"]] for row in (rows[0], rows[2]))
+    assert max(sdp) <= 0.55 * min(replicated), (sdp, replicated)
+    summary = {s["layout"]: s for s in result["summary"]}
+    assert summary["dp2-sharded"]["masters_and_state_of_unsharded"] <= 0.52
+    assert summary["sdp2"]["model_states_of_unsharded"] <= 0.55
+    assert summary["dp2-sharded"]["step_time_of_unsharded"] > 0 and summary["sdp2"]["step_time_of_unsharded"] > 0
