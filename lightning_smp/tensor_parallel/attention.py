@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
+from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule, WholeTensorParallelModule
 from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region
 from lightning_smp.tensor_parallel.linear import RowParallelLinear
 from lightning_smp.tensor_parallel.shard import ShardSpec
@@ -25,18 +25,8 @@ from lightning_smp.tensor_parallel.shard import ShardSpec
 __all__ = ["DistributedMultiheadAttention", "TensorParallelDropout"]
 
 
-class TensorParallelDropout(TensorParallelModule, nn.Dropout):
+class TensorParallelDropout(WholeTensorParallelModule, nn.Dropout):
     """``nn.Dropout`` for a sharded activation: draws from the rank's own stream (see `rng.py`)."""
-
-    @override
-    @classmethod
-    def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
-        return {}
-
-    @override
-    @classmethod
-    def tp_unsplittable(cls, module: nn.Module, tp_size: int) -> str | None:
-        return None
 
     @override
     def forward(self, input: Tensor) -> Tensor:

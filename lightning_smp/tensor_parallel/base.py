@@ -10,17 +10,18 @@ Converting a plain ``torch.nn`` module swaps its class in place (``module.__clas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from typing_extensions import override
 
 from lightning_smp.placement import TPShard, place_tp_shard
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 from lightning_smp.tensor_parallel.shard import ShardSpec, remember_meta_whole, shard_of, slice_shard
 
-__all__ = ["TensorParallel", "TensorParallelModule"]
+__all__ = ["TensorParallel", "TensorParallelModule", "WholeTensorParallelModule"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -48,7 +49,6 @@ class TensorParallelModule(nn.Module):
     """
 
     _tp: TensorParallel | None = None
-    _tp_plan_style: ClassVar[str] = "auto"  # the plan style a module of this class answers to
 
     @property
     def tp_distributed(self) -> bool:
@@ -89,6 +89,21 @@ class TensorParallelModule(nn.Module):
             owner, _, leaf = name.rpartition(".")
             shard_parameter(self.get_submodule(owner) if owner else self, leaf, spec, tp, shared)
         self._tp = tp
+
+
+class WholeTensorParallelModule(TensorParallelModule):
+    """Mixin for a module that takes part in tensor parallelism but stays whole: it splits nothing and always can;
+    only its forward (or its gradients) use the group once it is distributed."""
+
+    @override
+    @classmethod
+    def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
+        return {}
+
+    @override
+    @classmethod
+    def tp_unsplittable(cls, module: nn.Module, tp_size: int) -> str | None:
+        return None
 
 
 def shard_parameter(

@@ -10,8 +10,6 @@ one all-reduce forward and one backward.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
@@ -38,7 +36,6 @@ class ColumnParallelLinear(TensorParallelModule, nn.Linear):
     """
 
     gather_output: bool = False
-    _tp_plan_style: ClassVar[str] = "colwise"
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, gather_output: bool = False, **factory
@@ -113,7 +110,6 @@ class RowParallelLinear(TensorParallelModule, nn.Linear):
     """
 
     input_is_parallel: bool = True
-    _tp_plan_style: ClassVar[str] = "rowwise"
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, *, input_is_parallel: bool = True, **factory

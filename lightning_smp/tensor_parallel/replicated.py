@@ -19,26 +19,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
-from lightning_smp.tensor_parallel.shard import ShardSpec
+from lightning_smp.tensor_parallel.base import TensorParallel, WholeTensorParallelModule
 
 __all__ = ["GradientSummed", "gradient_summed_class"]
 
 _HOOKED = "_smp_gradient_hooks"  # instance entry: id(parameter) -> weak reference to it, for each hooked parameter
 
 
-class GradientSummed(TensorParallelModule):
+class GradientSummed(WholeTensorParallelModule):
     """Mixin: the module stays whole; once distributed, its parameters' gradients are summed over the group."""
-
-    @override
-    @classmethod
-    def tp_shard_specs(cls, module: nn.Module) -> dict[str, ShardSpec]:
-        return {}
-
-    @override
-    @classmethod
-    def tp_unsplittable(cls, module: nn.Module, tp_size: int) -> str | None:
-        return None
 
     @override
     def _tp_distribute(self, tp: TensorParallel, shared: dict[int, nn.Parameter]) -> None:

@@ -9,7 +9,7 @@ group instead of gathering ``(tokens, V)`` logits. The two may share one weight 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +31,6 @@ class DistributedEmbedding(TensorParallelModule, nn.Embedding):
     Args: as ``nn.Embedding``. ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` keep the layer whole, since
     they act on the table as a whole.
     """
-
-    _tp_plan_style: ClassVar[str] = "vocab"
 
     @override
     @classmethod
@@ -76,8 +74,6 @@ class DistributedLMHead(ColumnParallelLinear):
         vocab_size: the number of classes (rows of the weight).
         bias: whether the projection has a bias (default False, as in GPT-2).
     """
-
-    _tp_plan_style: ClassVar[str] = "auto"
 
     def __init__(self, in_features: int, vocab_size: int, bias: bool = False, **factory: Any) -> None:
         super().__init__(in_features, vocab_size, bias=bias, gather_output=False, **factory)
