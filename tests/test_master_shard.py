@@ -112,12 +112,15 @@ def _dp1_job(rank: int, root: str) -> dict:
     return _fit(FP16, batch_size=2 * PER_RANK_BATCH, ckpt_path=saved)
 
 
-def _four_ranks_job(rank: int) -> dict:
+def _four_ranks_job(rank: int, root: str) -> dict:
     results = {}
     for layout, degrees in (("dp2_tp2", TP2), ("pp2_dp2", PP2)):
         for name, precision in (("fp32", {}), ("fp16", FP16)):
             results[f"{layout}_{name}"] = _fit({**degrees, **precision})
             results[f"{layout}_{name}_sharded"] = _fit({**degrees, **precision, **SHARD})
+    # the dp2 run's sharded save, re-partitioned over four replicas (the same global batch)
+    saved = Path(root) / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
+    results["dp4_resumed_sharded"] = _fit({**FP16, **SHARD}, batch_size=PER_RANK_BATCH // 2, ckpt_path=saved)
     return results
 
 
@@ -192,10 +195,13 @@ def test_a_sharded_checkpoint_consolidates_into_the_single_device_model(dp2, roo
 
 
 @pytest.mark.timeout(900)
-def test_dp2_tp2_and_pp2_dp2_sharded_match_the_unsharded_runs():
-    ranks = run_distributed(_four_ranks_job, 4, timeout=840)
+def test_dp2_tp2_and_pp2_dp2_sharded_match_the_unsharded_runs_and_a_dp2_save_resumes_at_dp4(dp2, root):
+    ranks = run_distributed(_four_ranks_job, 4, str(root), timeout=840)
     for layout in ("dp2_tp2", "pp2_dp2"):
         for rank in ranks:
             _assert_same_run(rank[f"{layout}_fp32_sharded"], rank[f"{layout}_fp32"], 1e-5)
             _assert_same_run(rank[f"{layout}_fp16_sharded"], rank[f"{layout}_fp16"], 2e-2)
         assert ranks[0][f"{layout}_fp16"]["skipped"] >= 1
+    per_rank = [rank["dp4_resumed_sharded"]["losses"] for rank in ranks]
+    resumed = [sum(step) / 4 for step in zip(*per_rank, strict=True)]
+    assert resumed == pytest.approx(_mean_losses(dp2, "fp16_sharded")[SAVED_AT:], rel=2e-2)
