@@ -195,7 +195,7 @@ class MasterWeightOptimizer(Optimizer):
     def clip_master_grads_by_value(self, clip_value: float) -> None:
         """Clamp every fp32 master grad to ``[-clip_value, clip_value]``."""
         self.unscale_grads()
-        grads = self._masters.grads()
+        grads = self._update_grads()
         if grads:
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
@@ -218,12 +218,21 @@ class MasterWeightOptimizer(Optimizer):
                 self._inner.step()
         self._masters.write_params()
         self._masters.after_step()
+        self._count_step()
+        self._step_state.grads_read = True  # until the next backward, `overflow` reports this step
+        return loss
+
+    def _update_grads(self) -> list[Tensor]:
+        """The gradients the update reads: the fp32 master grads (a subclass whose parameters are their own
+        masters returns theirs)."""
+        return self._masters.grads()
+
+    def _count_step(self) -> None:
+        """After a step: count it if it was skipped, remember that for `last_step_skipped`, update the scale."""
         self._skipped_steps.add_(self._found_inf)
         self._last_skip.capture(self._found_inf)
         if self._loss_scaler is not None:
             self._loss_scaler.update(self._found_inf)
-        self._step_state.grads_read = True  # until the next backward, `overflow` reports this step
-        return loss
 
     def _copy_scaled_grads_and_check(self) -> Tensor | None:
         """The fused fast path: copy the still-scaled half grads into the master grads and decide overflow with

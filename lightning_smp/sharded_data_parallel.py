@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_smp.loss_scaler import LossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
@@ -157,7 +158,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
         self._found_inf.zero_()
         if self._loss_scaler is None:
             return
-        grads = self._local_grads()
+        grads = self._update_grads()
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
         if self._group is not None:
@@ -167,17 +168,10 @@ class ShardedOptimizer(MasterWeightOptimizer):
         """Clip the grad shards by the global norm; returns that norm, or -1 on overflow (as smp)."""
         self.unscale_grads()
         norm = self._global_norm(float(norm_type))
-        grads = self._local_grads()
+        grads = self._update_grads()
         if grads:
             torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return torch.where(self._found_inf > 0, torch.full_like(norm, -1.0), norm)
-
-    def clip_master_grads_by_value(self, clip_value: float) -> None:
-        self.unscale_grads()
-        grads = self._local_grads()
-        if grads:
-            torch._foreach_clamp_min_(grads, -clip_value)
-            torch._foreach_clamp_max_(grads, clip_value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -189,10 +183,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
         self.clip_master_grads(self._clip_norm)
         if self._loss_scaler is None or not self._found_inf.item():  # sync: the inner optimizer cannot gate
             self._inner.step()
-        self._skipped_steps.add_(self._found_inf)
-        self._last_skip.capture(self._found_inf)
-        if self._loss_scaler is not None:
-            self._loss_scaler.update(self._found_inf)
+        self._count_step()
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -252,7 +243,9 @@ class ShardedOptimizer(MasterWeightOptimizer):
 
     # -- internals ----------------------------------------------------------------------------------------------
 
-    def _local_grads(self) -> list[Tensor]:
+    @override
+    def _update_grads(self) -> list[Tensor]:
+        """This rank's fp32 grad shards (the parameters are their own masters)."""
         return [p.grad.to_local() for p in self._params if p.grad is not None]
 
     def _global_norm(self, norm_type: float) -> Tensor:
