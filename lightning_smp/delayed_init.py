@@ -50,9 +50,20 @@ import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.overrides import TorchFunctionMode
-from torch.utils._device import _device_constructors
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_smp._compat import (
+    ATEN_TO_COPY,
+    INITS_THAT_SKIP_META,
+    MODULE_TABLES,
+    TorchDispatchMode,
+    buffer_table,
+    device_constructors,
+    op_schema,
+    parameter_table,
+    storage_key,
+    tree_flatten,
+    tree_unflatten,
+)
 
 __all__ = ["deferred_init", "is_deferred", "materialize", "materialize_module"]
 
@@ -81,13 +92,11 @@ _OVERWRITES_SELF = frozenset(
 )
 # Ops whose output equals their input when the layouts agree: replay shares the input's storage instead of copying,
 # so the N deep copies of an ``nn.TransformerEncoder`` layer cost no memory until one of them is written.
-_COPIES = frozenset({_aten.clone.default, _aten._to_copy.default, _aten.lift_fresh_copy.default})
-# ``torch.nn.init`` functions that return at once for meta tensors (they need values: rejection sampling, QR). They
-# are swapped for recording wrappers inside deferred_init(); ``trunc_normal_`` is reached through its helper, which
-# it looks up at each call, so that copies of ``trunc_normal_`` bound elsewhere (Hugging Face's) are seen too.
-_INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+_COPIES = frozenset({_aten.clone.default, ATEN_TO_COPY, _aten.lift_fresh_copy.default})
+# The ``torch.nn.init`` functions that skip meta tensors (`INITS_THAT_SKIP_META`) are swapped for recording wrappers
+# inside deferred_init(); ``trunc_normal_`` is reached through its helper, which it looks up at each call, so that
+# copies of ``trunc_normal_`` bound elsewhere (Hugging Face's) are seen too.
 _DATA_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
-_MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 _META = torch.device("meta")
 _CPU = torch.device("cpu")
 
@@ -156,7 +165,7 @@ class _Generator:
 @dataclass(slots=True)
 class _Op:
     index: int
-    func: Callable[..., Any]  # an aten op, or an initialiser recorded whole (see _INITS_THAT_SKIP_META)
+    func: Callable[..., Any]  # an aten op, or an initialiser recorded whole (see INITS_THAT_SKIP_META)
     flat_args: list[Any]  # leaves of (args, kwargs): _Ref, _Const, _Generator or plain values
     spec: Any
     reads: frozenset[tuple[int, int]]  # value nodes (sid, version) the op needs
@@ -188,7 +197,7 @@ def _prune() -> None:
 
 
 def _lookup(tensor: Tensor) -> tuple[_Recording, int] | None:
-    entry = _STORAGES.get(tensor.untyped_storage()._cdata)
+    entry = _STORAGES.get(storage_key(tensor.untyped_storage()))
     if entry is None or entry[0].expired():
         return None
     return entry[1], entry[2]
@@ -212,19 +221,19 @@ class _Recorder(TorchDispatchMode):
         # A meta tensor made elsewhere (device="meta" by hand, or an earlier deferred_init() block): its values are
         # unknown here. Materialising anything computed from it raises.
         storage = tensor.untyped_storage()
-        if storage._cdata not in self._recording.untracked:
+        if storage_key(storage) not in self._recording.untracked:
             sid = self._new_sid()
-            self._recording.untracked[storage._cdata] = (StorageWeakRef(storage), sid)
+            self._recording.untracked[storage_key(storage)] = (StorageWeakRef(storage), sid)
             self._recording.last_write[sid] = -1
-        return self._recording.untracked[storage._cdata][1]
+        return self._recording.untracked[storage_key(storage)][1]
 
     def _is_untracked(self, tensor: Tensor) -> bool:
-        return tensor.untyped_storage()._cdata in self._recording.untracked
+        return storage_key(tensor.untyped_storage()) in self._recording.untracked
 
     def _output_sid(self, tensor: Tensor) -> int:
         storage = tensor.untyped_storage()
         sid = self._new_sid()
-        _STORAGES[storage._cdata] = (StorageWeakRef(storage), self._recording, sid)
+        _STORAGES[storage_key(storage)] = (StorageWeakRef(storage), self._recording, sid)
         return sid
 
     def _ref(self, tensor: Tensor, sid: int) -> _Ref:
@@ -326,7 +335,7 @@ class _Recorder(TorchDispatchMode):
 def _explicit_dtype(func, kwargs: dict, out: Any) -> dict:
     """``kwargs`` with ``dtype=`` set to the output's when the op left it to the default dtype, so that replay gives
     the dtype the build did whatever the default dtype is then (precision plugins change it around model creation)."""
-    takes_dtype = any(argument.name == "dtype" and argument.kwarg_only for argument in func._schema.arguments)
+    takes_dtype = any(argument.name == "dtype" and argument.kwarg_only for argument in op_schema(func).arguments)
     if not takes_dtype or kwargs.get("dtype") is not None or not isinstance(out, Tensor):
         return kwargs
     return {**kwargs, "dtype": out.dtype}
@@ -347,7 +356,7 @@ def _same(leaf: Any, written: list[Any]) -> bool:
 def _written_arguments(func, args, kwargs) -> list[Any]:
     """The tensors an op writes in place (``self`` of ``mul_``, ``out=``), from its schema's alias annotations."""
     written = []
-    for position, argument in enumerate(func._schema.arguments):
+    for position, argument in enumerate(op_schema(func).arguments):
         if argument.alias_info is None or not argument.alias_info.is_write:
             continue
         positional = not argument.kwarg_only and position < len(args)
@@ -358,7 +367,7 @@ def _written_arguments(func, args, kwargs) -> list[Any]:
 
 def _is_out(func, sid: int, refs: list[_Ref | None]) -> bool:
     """``out=`` arguments are written without being read; an ``out=`` view that covers its storage needs no past."""
-    if not func._schema.is_mutable or not any(argument.is_out for argument in func._schema.arguments):
+    if not op_schema(func).is_mutable or not any(argument.is_out for argument in op_schema(func).arguments):
         return False
     matching = [ref for ref in refs if ref is not None and ref.sid == sid]
     return len(matching) == 1 and matching[0].covers_storage()
@@ -421,7 +430,7 @@ class _MetaFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _device_constructors() and func not in _DATA_CONSTRUCTORS and not getattr(_ACTIVE, "paused", False):
+        if func in device_constructors() and func not in _DATA_CONSTRUCTORS and not getattr(_ACTIVE, "paused", False):
             if kwargs.get("device") is None:
                 kwargs["device"] = _META
             elif torch.device(kwargs["device"]).type == "meta":  # asked for by hand: a meta tensor, as eagerly
@@ -459,7 +468,7 @@ def _recording_initialisers() -> Iterator[None]:
     huggingface = sys.modules.get("transformers.initialization")
     if huggingface is not None and isinstance(getattr(huggingface, "TORCH_INIT_FUNCTIONS", None), dict):
         tables.append(huggingface.TORCH_INIT_FUNCTIONS)
-    originals = [(table, name, table[name]) for table in tables for name in _INITS_THAT_SKIP_META if name in table]
+    originals = [(table, name, table[name]) for table in tables for name in INITS_THAT_SKIP_META if name in table]
     try:
         for table, name, function in originals:
             table[name] = _recorded_call(function)
@@ -521,16 +530,16 @@ def _deferred_places(module: nn.Module) -> Iterator[tuple[str, dict | list, Any,
     first (in ``named_parameters()`` / ``named_buffers()`` order), then the deferred tensors among plain attributes
     and their dict or list items (a meta attribute made by hand is the module's own business and stays)."""
     modules = list(module.named_modules(remove_duplicate=False))
-    for table_name in _MODULE_TABLES[:2]:
+    for tables in (parameter_table, buffer_table):
         for prefix, submodule in modules:
-            table = getattr(submodule, table_name)
+            table = tables(submodule)
             for key, tensor in table.items():
                 if isinstance(tensor, Tensor) and tensor.is_meta:
                     yield _qualified(prefix, key), table, key, tensor
     for prefix, submodule in modules:
         attributes = vars(submodule)
         for key, value in list(attributes.items()):
-            if key in _MODULE_TABLES:
+            if key in MODULE_TABLES:
                 continue
             if isinstance(value, Tensor) and is_deferred(value):
                 yield _qualified(prefix, key), attributes, key, value

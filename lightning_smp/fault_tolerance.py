@@ -15,7 +15,6 @@ import logging
 import math
 import signal
 import subprocess
-import threading
 import time
 import weakref
 from datetime import timedelta
@@ -28,6 +27,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
+from lightning_smp._compat import install_sigterm_hooks, mark_sigterm_received, stop_child_process_observer
 from lightning_smp.host_mirror import HostMirror
 
 __all__ = [
@@ -84,8 +84,7 @@ class SchedulerSignal:
         self._trainer, self._noted, self._vote = trainer, False, None
         self._steps_between_votes, self._steps_to_vote = 1, 0
         if trainer.world_size > 1:
-            trainer._signal_connector._sigterm_notifier_fn = self._note  # Lightning registers it after setup
-            trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._agree
+            install_sigterm_hooks(trainer, on_signal=self._note, before_step=self._agree)
             device = trainer.strategy.root_device
             self._mirror = HostMirror(device) if device.type == "cuda" else None
 
@@ -100,7 +99,7 @@ class SchedulerSignal:
             trainer.strategy.launcher.kill(signum)
         self._noted = True
         if trainer.state.fn != TrainerFn.FITTING:  # no training steps to agree at: each rank stops at its next batch
-            trainer._signal_connector.received_sigterm = True
+            mark_sigterm_received(trainer)
 
     def _agree(self) -> None:
         """At the start of every training step on every rank (in place of Lightning's broadcast); collective at
@@ -120,7 +119,7 @@ class SchedulerSignal:
                 result = self._mirror.read()
             if result == math.inf:
                 self._vote = None
-                trainer._signal_connector.received_sigterm = True
+                mark_sigterm_received(trainer)
                 raise SIGTERMException  # as Lightning's broadcast does, before the step
             seconds_per_step = (now - self._voted_at) / self._steps_between_votes
             steps = int(VOTE_INTERVAL_S / result) if result > 0 else 1
@@ -155,9 +154,7 @@ def end_launched_ranks(launcher: Any, *, grace_s: float) -> list[str]:
     procs = getattr(launcher, "procs", None) or []
     if not procs:
         return []
-    for thread in threading.enumerate():
-        if thread.name == "child-process-observer":  # Lightning's: it would SIGKILL this process mid-report
-            thread._run = lambda: True  # type: ignore[attr-defined]
+    stop_child_process_observer()  # Lightning's: it would SIGKILL this process mid-report
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_smp._compat import foreach_mul_, foreach_norm
 from lightning_smp.placement import placement_of
 
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ def global_grad_norm(
     elif math.isinf(norm_type):
         local = torch.stack([g.abs().max() for g in grads]).max()
     else:
-        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
+        local = torch.linalg.vector_norm(torch.stack(foreach_norm(grads, norm_type)), norm_type)
     if _group_size(group) <= 1:
         return local
     if math.isinf(norm_type):
@@ -95,7 +96,7 @@ def clip_grad_norm_counted(params: list[Tensor], max_norm: float, *, group: dist
         [p.grad for p in with_grads if placement_of(p).counts_in_norm], 2.0, group=group, device=device
     )
     if grads:
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
 
 

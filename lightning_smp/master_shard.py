@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_smp._compat import foreach_copy_, foreach_zero_
 from lightning_smp.placement import placement_of
 
 __all__ = ["HALF_DTYPES", "ShardedMasters", "WholeMasters"]
@@ -43,7 +44,7 @@ class WholeMasters:
         self._grad_views = _views(self._flat_grad, self.half_params)
         with torch.no_grad():
             if self.half_params:
-                torch._foreach_copy_(master_views, self.half_params)
+                foreach_copy_(master_views, self.half_params)
         self.masters: list[Tensor] = []
         for view, grad in zip(master_views, self._grad_views, strict=True):
             master = nn.Parameter(view)
@@ -77,11 +78,11 @@ class WholeMasters:
             for master, grad, view in zip(self.masters, half_grads, self._grad_views, strict=True):
                 master.grad = None if grad is None else view
                 (missing if grad is None else present).append((view, grad))
-            torch._foreach_zero_([view for view, _ in missing])
+            foreach_zero_([view for view, _ in missing])
             if present:
-                torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
+                foreach_copy_([view for view, _ in present], [grad for _, grad in present])
         elif half_grads:
-            torch._foreach_copy_(self._grad_views, half_grads)
+            foreach_copy_(self._grad_views, half_grads)
 
     def all_half_grads(self) -> list[Tensor] | None:
         """The half grads, when every half parameter has one (the fused fast path reads them directly)."""
@@ -103,7 +104,7 @@ class WholeMasters:
     def write_params(self) -> None:
         """Copy the masters into the half-precision parameters."""
         if self.half_params:
-            torch._foreach_copy_(self.half_params, self.masters)
+            foreach_copy_(self.half_params, self.masters)
 
     def forget_group(self) -> None:
         """Nothing to drop: whole masters need no process group."""
@@ -213,7 +214,7 @@ class ShardedMasters:
             views = _views(flat, bucket.params)
             present = [(view, p.grad) for view, p in zip(views, bucket.params, strict=True) if p.grad is not None]
             if present:
-                torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
+                foreach_copy_([view for view, _ in present], [grad for _, grad in present])
             flat.div_(self._replicas)
             share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
             dist.reduce_scatter_tensor(share, flat, group=self._group)
@@ -234,7 +235,7 @@ class ShardedMasters:
     def write_params(self) -> None:
         """All-gather the updated shares into every replica's parameters (in their dtype)."""
         for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda bucket: bucket.dtype):
-            torch._foreach_copy_(bucket.params, _views(full, bucket.params))
+            foreach_copy_(bucket.params, _views(full, bucket.params))
 
     def after_step(self) -> None:
         pass

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from lightning_smp._compat import buffer_table, parameter_table
 from lightning_smp.delayed_init import is_deferred, materialize
 from lightning_smp.placement import TPShard
 from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard, take_meta_whole
@@ -39,7 +40,7 @@ def materialize_kept(model: nn.Module, *, device: torch.device) -> None:
     olds: list[Tensor] = []
     wanted: list[tuple[Tensor, Callable[[Tensor], Tensor]]] = []
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for is_parameter, tensors in ((True, module._parameters), (False, module._buffers)):
+        for is_parameter, tensors in ((True, parameter_table(module)), (False, buffer_table(module))):
             for local_name, tensor in tensors.items():
                 if tensor is None or not tensor.is_meta:
                     continue
@@ -54,7 +55,7 @@ def materialize_kept(model: nn.Module, *, device: torch.device) -> None:
             value = nn.Parameter(value, requires_grad=old.requires_grad)
             value.__dict__.update(old.__dict__)
         for module, local_name, is_parameter in owners[id(old)]:
-            (module._parameters if is_parameter else module._buffers)[local_name] = value
+            (parameter_table(module) if is_parameter else buffer_table(module))[local_name] = value
     log.debug("materialised %d tensors (%d bytes) on %s", len(values), sum(_bytes(v) for v in values), device)
 
 

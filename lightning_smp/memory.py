@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_smp._compat import BatchNormBase
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.partition import (
@@ -355,7 +355,7 @@ def _report(
     sharded = _tensor_parallel_shards(model, layout.tp, config, params)
     placement = _Placement.of(model, layout.pp, config)
 
-    fp32_owners = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
+    fp32_owners = {id(p) for m in model.modules() if isinstance(m, BatchNormBase) for p in m.parameters()}
     half = config.half_dtype
     activations, note = _activations(model, placement, layout.tp, sharded, half, micro_batch_size, sequence_length)
     groups = rank_groups(config.placement_order, dp=layout.dp, pp=layout.pp, tp=layout.tp)["pp"]

@@ -19,6 +19,13 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_smp._compat import (
+    foreach_clamp_max_,
+    foreach_clamp_min_,
+    foreach_mul_,
+    foreach_norm,
+    non_finite_check_and_unscale_,
+)
 from lightning_smp.grad_vote import GradientVote
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
@@ -176,7 +183,7 @@ class MasterWeightOptimizer(Optimizer):
             return
         grads = self._masters.grads()
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
+            non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
         self._vote.overflow(self._found_inf)
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
@@ -189,7 +196,7 @@ class MasterWeightOptimizer(Optimizer):
         norm = self._vote.norm(self._masters.counted_grads(), float(norm_type), device=self._found_inf.device)
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if grads:
-            torch._foreach_mul_(grads, coefficient)
+            foreach_mul_(grads, coefficient)
         return torch.where(self._found_inf > 0, torch.full_like(norm, -1.0), norm)
 
     def clip_master_grads_by_value(self, clip_value: float) -> None:
@@ -197,8 +204,8 @@ class MasterWeightOptimizer(Optimizer):
         self.unscale_grads()
         grads = self._update_grads()
         if grads:
-            torch._foreach_clamp_min_(grads, -clip_value)
-            torch._foreach_clamp_max_(grads, clip_value)
+            foreach_clamp_min_(grads, -clip_value)
+            foreach_clamp_max_(grads, clip_value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -248,7 +255,7 @@ class MasterWeightOptimizer(Optimizer):
         own_grads = [p.grad for p in self._masters.own_params if p.grad is not None]
         # fp32 norms, finite unless some element is inf/NaN (|g| <= 65504, so no false overflow); one list per
         # dtype, as a foreach kernel takes one
-        norms = [n for g in (half_grads, own_grads) if g for n in torch._foreach_norm(g, dtype=torch.float32)]
+        norms = [n for g in (half_grads, own_grads) if g for n in foreach_norm(g, dtype=torch.float32)]
         if norms:
             self._found_inf.copy_(torch.logical_not(torch.isfinite(torch.stack(norms).sum())))
         else:

@@ -19,10 +19,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smp._compat import BatchNormBase, after_closure, replace_scheduler_methods, scheduler_state_without
 from lightning_smp.grad_vote import GradientVote, clip_grad_norm_counted
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
 from lightning_smp.sharded_data_parallel import ShardedOptimizer
@@ -90,7 +90,7 @@ class SMPPrecision(Precision):
             return module
         module.to(self.dtype)
         for layer in module.modules():
-            if isinstance(layer, _BatchNorm):
+            if isinstance(layer, BatchNormBase):
                 _keep_in_fp32(layer, self.dtype)
         return module
 
@@ -185,7 +185,7 @@ class SMPPrecision(Precision):
             gate.flush(wait=True)
         # No explicit unscale here: clipping unscales when it runs; otherwise a fused optimizer takes the scaled
         # grads and unscales inside its own kernel (one memory pass fewer).
-        self._after_closure(model, optimizer)
+        after_closure(self, model, optimizer)
         optimizer.step(**kwargs)
         return closure_result
 
@@ -251,12 +251,9 @@ class _SkipAwareSchedulerStep:
     """
 
     def __init__(self, scheduler: Any, optimizer: MasterWeightOptimizer) -> None:
-        self._optimizer = optimizer
-        self._step = scheduler.step
-        self._state_dict = scheduler.state_dict
+        self._stepped = optimizer
         self._pending: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
-        scheduler.step = self.step
-        scheduler.state_dict = self.state_dict
+        self._step, self._state_dict = replace_scheduler_methods(scheduler, step=self.step, state_dict=self.state_dict)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         self._pending.append((args, kwargs))
@@ -264,14 +261,13 @@ class _SkipAwareSchedulerStep:
 
     def state_dict(self) -> dict[str, Any]:
         self.flush(wait=True)
-        # torch schedulers save their `__dict__`, which now holds these two replaced methods: leave them out
-        return {key: value for key, value in self._state_dict().items() if key not in ("step", "state_dict")}
+        return scheduler_state_without(self._state_dict(), ("step", "state_dict"))
 
     def flush(self, *, wait: bool) -> None:
-        if not self._pending or not (wait or self._optimizer.last_step_skipped_ready()):
+        if not self._pending or not (wait or self._stepped.last_step_skipped_ready()):
             return
         pending, self._pending = self._pending, []
-        if self._optimizer.last_step_skipped():
+        if self._stepped.last_step_skipped():
             return
         for args, kwargs in pending:
             self._step(*args, **kwargs)

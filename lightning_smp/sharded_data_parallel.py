@@ -20,10 +20,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.utils import _sync_module_states
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_smp._compat import foreach_mul_, foreach_norm, non_finite_check_and_unscale_, sync_module_states
 from lightning_smp.loss_scaler import LossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
 from lightning_smp.pipeline.partition import find_trunk
@@ -48,7 +48,7 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
     if isinstance(model, FSDPModule):
         return  # sharded by an earlier fit/validate of the same model
     placements = {name: placement_of(param) for name, param in model.named_parameters()}
-    _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+    sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
     meshes = {True: topology.sharding_mesh(), False: topology.sharding_mesh(sharded=False)}
     for module, is_sharded in plan_units(model, config):
@@ -160,7 +160,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
             return
         grads = self._update_grads()
         if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
+            non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
         if self._group is not None:
             dist.all_reduce(self._found_inf, op=dist.ReduceOp.MAX, group=self._group)
 
@@ -170,7 +170,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
         norm = self._global_norm(float(norm_type))
         grads = self._update_grads()
         if grads:
-            torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+            foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return torch.where(self._found_inf > 0, torch.full_like(norm, -1.0), norm)
 
     @torch.no_grad()
@@ -260,7 +260,7 @@ class ShardedOptimizer(MasterWeightOptimizer):
         if counted and math.isinf(norm_type):
             local = torch.stack([g.abs().max() if g.numel() else local for g, _ in counted]).max()
         elif counted:
-            norms = torch._foreach_norm([g for g, _ in counted], norm_type)
+            norms = foreach_norm([g for g, _ in counted], norm_type)
             weights = torch.tensor([1.0 / copies for _, copies in counted], device=local.device)
             local = (torch.stack(norms).float().pow(norm_type) * weights).sum()
         if math.isinf(norm_type):

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from os import PathLike
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,8 +27,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -35,7 +34,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
-from torch.distributed.utils import _sync_module_states
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torchmetrics import Metric
@@ -45,6 +43,14 @@ from lightning_smp import activation_checkpointing, fault_tolerance, sharded_dat
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
+from lightning_smp._compat import (
+    ddp_kwargs,
+    dump_checkpoint,
+    forward_redirection,
+    strategy_timeout,
+    sync_ddp_if_available,
+    sync_module_states,
+)
 from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
@@ -219,7 +225,7 @@ class SMPStrategy(DDPStrategy):
             tp=config.tensor_parallel_degree,
             order=config.placement_order,
             device_type=self.root_device.type,
-            timeout=self._timeout,
+            timeout=strategy_timeout(self),
             sdp=config.sharded_data_parallel_degree,
         )
         plugin = self.precision_plugin
@@ -331,7 +337,7 @@ class SMPStrategy(DDPStrategy):
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:
             return DistributedDataParallel(
-                module=model, device_ids=device_ids, process_group=self.topology.group("dp"), **self._ddp_kwargs
+                module=model, device_ids=device_ids, process_group=self.topology.group("dp"), **ddp_kwargs(self)
             )
 
     @override
@@ -340,7 +346,7 @@ class SMPStrategy(DDPStrategy):
         samples' values, so including them would count each sample several times."""
         if not isinstance(tensor, Tensor):
             return tensor
-        return _sync_ddp_if_available(tensor, group or self.topology.group("dp"), reduce_op=reduce_op)
+        return sync_ddp_if_available(tensor, group or self.topology.group("dp"), reduce_op=reduce_op)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -426,7 +432,7 @@ class SMPStrategy(DDPStrategy):
         # FSDP2 gathers the root unit's parameters in the LightningModule's forward hooks: run the step as its
         # forward (Lightning's forward redirection; the model is the LightningModule itself, not a wrapper).
         with self._step_context(name)():
-            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            return forward_redirection(self)(self.model, self.lightning_module, name, *args, **kwargs)
 
     def _step_function(self, name: str) -> Any:
         """The LightningModule's ``name`` step under the precision plugin's context, for one microbatch."""
@@ -487,7 +493,9 @@ class SMPStrategy(DDPStrategy):
         return checkpointing.optimizer_state_dict(optimizer, self.lightning_module)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | PathLike, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None:
             raise TypeError(
                 "SMPStrategy writes sharded checkpoints itself and takes no `storage_options`; remove them from "
@@ -498,7 +506,7 @@ class SMPStrategy(DDPStrategy):
         checkpointing.save(checkpoint, path, module=self.lightning_module, run=self._checkpoint_run(), owned=owned)
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: str | PathLike, weights_only: bool | None = None) -> dict[str, Any]:
         module = self.lightning_module
         return checkpointing.load(
             self.broadcast(checkpoint_path),
@@ -518,14 +526,14 @@ class SMPStrategy(DDPStrategy):
         pass  # `load_checkpoint` has loaded the optimizer states already, by parameter name
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove_checkpoint(self, filepath: str | PathLike) -> None:
         if self.is_global_zero:
             checkpointing.remove(filepath)
 
     def _save_for_smp(self, path: Path, user_content: Any) -> None:
         """``smp.save_checkpoint``: the whole training state, as `Trainer.save_checkpoint` writes it, plus
         ``user_content``."""
-        content = self.lightning_module.trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        content = dump_checkpoint(self.lightning_module.trainer)
         content["user_content"] = user_content
         self.save_checkpoint(content, path)
 
@@ -559,7 +567,11 @@ class SMPStrategy(DDPStrategy):
                 "intended, pass `SMPStrategy(find_unused_parameters=True)`."
             )
         notes += fault_tolerance.explain_failure(
-            exception, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout, launcher=self.launcher
+            exception,
+            rank=self.global_rank,
+            world_size=self.world_size,
+            timeout=strategy_timeout(self),
+            launcher=self.launcher,
         )
         if notes and isinstance(exception, Exception):  # SystemExit (e.g. SIGTERM) keeps its exit code
             message = exception.args[0] if exception.args else str(exception)
@@ -606,7 +618,7 @@ def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) ->
 def _sync_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
     """Broadcast the first data-parallel replica's parameters and buffers to the others (what DDP does)."""
     if topology.size("dp") > 1 and topology.sdp == 1:  # sharded: `sharded_data_parallel.shard` syncs, then shards
-        _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+        sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
 
 
 # name, description, init params

@@ -18,7 +18,8 @@ from types import MappingProxyType
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.distributed_c10d import _set_pg_timeout
+
+from lightning_smp._compat import flatten_mesh, set_process_group_timeout, unflatten_mesh
 
 __all__ = ["AXES", "Topology", "build", "coordinates", "rank_groups"]
 
@@ -197,7 +198,7 @@ def build(
         # torch 2.13 slices only in the root's dim order, and slicing a flattened dim from the root mesh is
         # deprecated: slice in placement order and keep the flattened mesh ourselves.
         dims = tuple(_LETTER_AXIS[letter] for letter in letters if letter in _AXIS_LETTERS[flat_name])
-        meshes[flat_name] = mesh[dims]._flatten(flat_name)
+        meshes[flat_name] = flatten_mesh(mesh[dims], flat_name)
     sharding_meshes = _sharding_meshes(meshes["dp"], dp=dp, sdp=sdp)
     layout = rank_groups(letters, dp=dp, pp=pp, tp=tp)
     if pp <= 2:
@@ -222,7 +223,7 @@ def build(
         sharding_groups = [group for mesh in sharding_meshes.values() for group in mesh.get_all_groups()]
         groups = [*(mesh.get_group() for mesh in meshes.values()), embedding_group, *sharding_groups]
         for group in {id(g): g for g in groups if g is not None}.values():
-            _set_pg_timeout(timeout, group)
+            set_process_group_timeout(timeout, group)
     log.info(
         "lightning_smp topology: dp=%d pp=%d tp=%d order=%s world_size=%d; rank %d is %s",
         dp,
@@ -246,8 +247,8 @@ def _sharding_meshes(dp_mesh: DeviceMesh, *, dp: int, sdp: int) -> dict[str, Dev
         )
     if sdp == 1:
         return {}
-    sharded = dp_mesh if sdp == dp else dp_mesh._unflatten(0, (dp // sdp, sdp), ("sdp_replicate", "sdp"))
-    return {"sharded": sharded, "whole": dp_mesh._unflatten(0, (dp, 1), ("sdp_whole_replicate", "sdp_whole"))}
+    sharded = dp_mesh if sdp == dp else unflatten_mesh(dp_mesh, 0, (dp // sdp, sdp), ("sdp_replicate", "sdp"))
+    return {"sharded": sharded, "whole": unflatten_mesh(dp_mesh, 0, (dp, 1), ("sdp_whole_replicate", "sdp_whole"))}
 
 
 def _layout(order: str, *, dp: int, pp: int, tp: int) -> tuple[str, dict[str, int]]:

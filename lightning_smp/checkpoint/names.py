@@ -81,7 +81,7 @@ def optimizer_state_dict(optimizer: Any, module: nn.Module) -> dict[str, Any]:
 
 
 def unwrap(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def optimized_params(optimizer: Optimizer) -> list[Tensor]:

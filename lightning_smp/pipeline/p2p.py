@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_smp._compat import tree_flatten, tree_unflatten
 
 __all__ = ["LAYOUT_TAG_OFFSET", "NOTHING", "Transport"]
 

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_smp._compat import tree_leaves, tree_map
 from lightning_smp.pipeline.p2p import NOTHING
 from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan
 
@@ -247,31 +247,30 @@ def hold_outside(root: nn.Module, outside: OutsidePlan, router: TrunkRouter) -> 
         parent = root.get_submodule(parent_name)
         before = name in outside.before
         holder = 0 if before else outside.stages - 1
-        parent._modules[leaf] = StandIn(
-            parent._modules[leaf], name=name, holder=holder, before=before, router=router, held=held
+        stand_in = StandIn(
+            parent.get_submodule(leaf), name=name, holder=holder, before=before, router=router, held=held
         )
+        parent.register_module(leaf, stand_in)
 
 
 def _register_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     """Register ``param`` as ``module.<name>`` (dotted: in empty container modules created on the way)."""
     *path, leaf = name.split(".")
     for part in path:
-        if part not in module._modules:
-            module._modules[part] = nn.Module()
-        module = module._modules[part]
-    module._parameters[leaf] = param
+        if part not in dict(module.named_children()):
+            module.register_module(part, nn.Module())
+        module = module.get_submodule(part)
+    module.register_parameter(leaf, param)
 
 
 def _on_meta(module: nn.Module) -> nn.Module:
     """``module`` itself, its parameters and buffers replaced by meta tensors of their shapes and dtypes (new
     objects: a weight it shares with another module stays untouched), without tensor-parallel groups."""
     for sub in module.modules():
-        for name, param in sub._parameters.items():
-            if param is not None:
-                sub._parameters[name] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False)
-        for name, buffer in sub._buffers.items():
-            if buffer is not None:
-                sub._buffers[name] = torch.empty_like(buffer, device="meta")
+        for name, param in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
+            setattr(sub, name, nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False))
+        for name, buffer in list(sub.named_buffers(recurse=False, remove_duplicate=False)):
+            setattr(sub, name, torch.empty_like(buffer, device="meta"))
         forget_group = getattr(sub, "tp_forget_group", None)
         if forget_group is not None:
             forget_group()  # the whole-layer forward: no collective on meta tensors

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_smp._compat import tree_leaves
 from lightning_smp.pipeline.microbatch import batch_size
 from lightning_smp.pipeline.partition import ChildCost
 from lightning_smp.pipeline.stage import check_chain, check_no_skip_connection

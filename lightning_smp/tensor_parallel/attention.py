@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
+from lightning_smp._compat import canonical_mask, none_or_dtype
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule, WholeTensorParallelModule
 from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region
 from lightning_smp.tensor_parallel.linear import RowParallelLinear
@@ -104,14 +105,14 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
                 query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
             )
         is_batched = query.dim() == 3
-        key_padding_mask = F._canonical_mask(
+        key_padding_mask = canonical_mask(
             mask=key_padding_mask,
             mask_name="key_padding_mask",
-            other_type=F._none_or_dtype(attn_mask),
+            other_type=none_or_dtype(attn_mask),
             other_name="attn_mask",
             target_type=query.dtype,
         )
-        attn_mask = F._canonical_mask(
+        attn_mask = canonical_mask(
             mask=attn_mask,
             mask_name="attn_mask",
             other_type=None,

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
+from lightning_smp._compat import parameter_table
 from lightning_smp.placement import TPShard, place_tp_shard
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 from lightning_smp.tensor_parallel.shard import ShardSpec, remember_meta_whole, shard_of, slice_shard
@@ -110,7 +111,7 @@ def shard_parameter(
     module: nn.Module, name: str, spec: ShardSpec, tp: TensorParallel, shared: dict[int, nn.Parameter]
 ) -> None:
     """Replace ``module.<name>`` by this rank's slice (placed as its `TPShard`); a no-op if already sharded."""
-    whole = module._parameters[name]
+    whole = parameter_table(module)[name]
     if whole is None or shard_of(whole) is not None:
         return
     piece = shared.get(id(whole))
@@ -122,4 +123,4 @@ def shard_parameter(
         if whole.is_meta:  # delayed initialisation: materialised once the pipeline has pruned what this rank drops
             remember_meta_whole(piece, whole)
         shared[id(whole)] = piece
-    module._parameters[name] = piece
+    parameter_table(module)[name] = piece

@@ -123,12 +123,12 @@ class GPT2AttentionParallel(TensorParallelModule, GPT2Attention):
         # The attention dropout acts on this rank's heads: it draws from the rank's own stream. The residual dropout
         # acts on the whole (replicated) output: it draws from the default generator, as on every other rank.
         resid_dropout = self.resid_dropout
-        self._modules["resid_dropout"] = nn.Identity()
+        self.resid_dropout = nn.Identity()
         try:
             with self._tp.rng.fork(self.c_proj.weight.device):
                 output, weights = super().forward(*args, **kwargs)
         finally:
-            self._modules["resid_dropout"] = resid_dropout
+            self.resid_dropout = resid_dropout
         return resid_dropout(output), weights
 
     @override

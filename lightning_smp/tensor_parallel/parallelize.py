@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from lightning_smp._compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_smp.placement import mark_norm_duplicate
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
@@ -117,9 +117,9 @@ def _broadcast_unsharded_state(model: nn.Module, group: dist.ProcessGroup, devic
     tensors = [t for t in tensors if not t.is_meta]
     src = dist.get_global_rank(group, 0)
     for bucket in _buckets(tensors):
-        flat = _flatten_dense_tensors(bucket).to(device)
+        flat = flatten_dense_tensors(bucket).to(device)
         dist.broadcast(flat, src=src, group=group)
-        for tensor, value in zip(bucket, _unflatten_dense_tensors(flat, bucket), strict=True):
+        for tensor, value in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             tensor.copy_(value)
 
 

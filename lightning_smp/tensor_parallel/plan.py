@@ -23,6 +23,7 @@ from typing import Literal
 
 from torch import nn
 
+from lightning_smp._compat import parameter_table
 from lightning_smp.config import TENSOR_PARALLEL_STYLES
 from lightning_smp.tensor_parallel import hf_plan
 from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttention
@@ -359,7 +360,7 @@ def _shared_weight_conflicts(model: nn.Module, units: list[Unit]) -> dict[Unit, 
     # every place a parameter is registered: (owner module id, attribute) -> printable name
     places: dict[int, dict[tuple[int, str], str]] = {}
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for attr, param in module._parameters.items():
+        for attr, param in parameter_table(module).items():
             if param is not None:
                 label = f"{module_name}.{attr}" if module_name else attr
                 places.setdefault(id(param), {}).setdefault((id(module), attr), f"{label} ({type(module).__name__})")
@@ -371,7 +372,7 @@ def _shared_weight_conflicts(model: nn.Module, units: list[Unit]) -> dict[Unit, 
                 continue
             specs = unit.target.tp_shard_specs(unit.module)
             for sub_name, sub in unit.module.named_modules():
-                for attr, param in sub._parameters.items():
+                for attr, param in parameter_table(sub).items():
                     if param is not None:
                         split_as[(id(sub), attr)] = (unit, specs.get(f"{sub_name}.{attr}" if sub_name else attr))
         newly = {}

@@ -1,0 +1,271 @@
+"""Every use of another library's private names, in one place: what we touch, why, and the version checked.
+
+lightning_smp reaches into torch, Lightning and torchmetrics where they offer no public way to do what it needs
+(Lightning's per-step SIGTERM broadcast, the step value Lightning logs for a torchmetrics ``Metric``, torch's
+foreach kernels, a module's parameter table, ...). Each such use is a name here, with the version of the library
+it was checked against; no other module of the package touches a private name of another library
+(``tests/test_compat.py`` checks that, and checks each entry against the installed libraries, so an upgrade that
+changes one fails there, by name, rather than somewhere inside a run). When upgrading a library, run that test
+first and update the entries and their "checked" versions together.
+
+Three overrides of protected hooks stay in their subclasses, where Python puts them (the test checks that the
+bases still have them): ``SMPStrategy._setup_model`` (``DDPStrategy``'s, to wrap in DDP over the data-parallel
+group), the ``precision_plugin`` property's storage ``_precision_plugin`` (``Strategy``'s) and ``StandIn._apply``
+(``nn.Module``'s, so that a stand-in follows the model's dtype casts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.utils import _sync_module_states
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils._device import _device_constructors
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torchmetrics import Metric
+
+__all__ = [
+    "ATEN_TO_COPY",
+    "INITS_THAT_SKIP_META",
+    "MODULE_TABLES",
+    "BatchNormBase",
+    "TorchDispatchMode",
+    "after_closure",
+    "buffer_table",
+    "canonical_mask",
+    "ddp_kwargs",
+    "device_constructors",
+    "dump_checkpoint",
+    "flatten_dense_tensors",
+    "flatten_mesh",
+    "foreach_clamp_max_",
+    "foreach_clamp_min_",
+    "foreach_copy_",
+    "foreach_mul_",
+    "foreach_norm",
+    "foreach_zero_",
+    "forward_redirection",
+    "install_sigterm_hooks",
+    "mark_sigterm_received",
+    "module_table",
+    "non_finite_check_and_unscale_",
+    "none_or_dtype",
+    "op_schema",
+    "parameter_table",
+    "replace_scheduler_methods",
+    "replaced_log",
+    "scheduler_state_without",
+    "set_metric_step_value",
+    "set_metric_update_count",
+    "set_process_group_timeout",
+    "stop_child_process_observer",
+    "storage_key",
+    "strategy_timeout",
+    "sync_ddp_if_available",
+    "sync_module_states",
+    "tree_flatten",
+    "tree_leaves",
+    "tree_map",
+    "tree_unflatten",
+    "unflatten_dense_tensors",
+    "unflatten_mesh",
+]
+
+# -- torch (checked: 2.13.0) -----------------------------------------------------------------------------------
+
+# The foreach kernels torch's own optimizers use (one launch per list, not per tensor); no public alias exists.
+foreach_copy_ = torch._foreach_copy_
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+foreach_zero_ = torch._foreach_zero_
+foreach_clamp_min_ = torch._foreach_clamp_min_
+foreach_clamp_max_ = torch._foreach_clamp_max_
+non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
+"""``(grads, found_inf, inv_scale)``: multiplies by ``inv_scale`` and sets ``found_inf`` to 1 on any inf/nan,
+with no host sync (what ``torch.amp.GradScaler`` runs)."""
+
+# Flat buffers of many tensors (what DDP's bucketing and torch's coalesced collectives use).
+flatten_dense_tensors = _flatten_dense_tensors
+unflatten_dense_tensors = _unflatten_dense_tensors
+
+sync_module_states = _sync_module_states
+"""Broadcast a module's parameters and buffers from ``src`` over a group, in buckets (what DDP runs at wrap)."""
+
+set_process_group_timeout = _set_pg_timeout
+"""``(timeout, group)``: the timeout of an existing group (DeviceMesh creates its groups with the default one)."""
+
+BatchNormBase = _BatchNorm
+"""The base of ``BatchNorm1d/2d/3d``, their lazy variants and ``SyncBatchNorm``."""
+
+canonical_mask = F._canonical_mask
+none_or_dtype = F._none_or_dtype
+"""How ``nn.MultiheadAttention.forward`` normalises its masks (our tensor-parallel copy of it must agree)."""
+
+# TorchDispatchMode (imported above) is documented, but importable only from a private module.
+device_constructors = _device_constructors
+"""The factory functions ``torch.device(...)`` as a context manager redirects (``torch.empty``, ``torch.randn``...)."""
+
+ATEN_TO_COPY = torch.ops.aten._to_copy.default
+"""The op behind ``Tensor.to`` with a copy (an aten op whose name starts with an underscore)."""
+
+INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
+"""The ``torch.nn.init`` functions that return at once for meta tensors (they need values: rejection sampling, QR);
+``trunc_normal_`` reaches its private helper, looked up in ``torch.nn.init`` at each call."""
+
+MODULE_TABLES = ("_parameters", "_buffers", "_modules")
+"""An ``nn.Module``'s three tables, as they appear in ``vars(module)``."""
+
+# tree_flatten, tree_unflatten, tree_map, tree_leaves (imported above): torch's pytree utilities over nested tuples,
+# lists, dicts and namedtuples, public in all but their module's name.
+
+
+def parameter_table(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The live table of ``module``'s own parameters, for code that replaces entries without ``__setattr__``'s
+    checks (a meta parameter by its materialised value, a whole one by its shard, keeping every other name)."""
+    return module._parameters
+
+
+def buffer_table(module: nn.Module) -> dict[str, Tensor | None]:
+    """The live table of ``module``'s own buffers (see `parameter_table`)."""
+    return module._buffers
+
+
+def module_table(module: nn.Module) -> dict[str, nn.Module | None]:
+    """The live table of ``module``'s children (see `parameter_table`)."""
+    return module._modules
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """An integer that identifies a storage while it lives (its C++ pointer; ``data_ptr`` is 0 on meta)."""
+    return storage._cdata
+
+
+def op_schema(op: Any) -> Any:
+    """An aten op's schema (``torch._C.FunctionSchema``: its arguments, alias annotations, mutability)."""
+    return op._schema
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A ``DeviceMesh`` of ``mesh``'s dimensions flattened into one named ``name`` (slicing a flattened dimension
+    from the root mesh is deprecated in torch 2.13, so we keep the flattened mesh ourselves)."""
+    return mesh._flatten(name)
+
+
+def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """A ``DeviceMesh`` with dimension ``dim`` split into ``sizes`` named ``names`` (torch has no public way to
+    reshape a mesh's dimension into sub-dimensions that keeps its groups)."""
+    return mesh._unflatten(dim, sizes, names)
+
+
+# -- Lightning (checked: 2.6.6) --------------------------------------------------------------------------------
+
+sync_ddp_if_available = _sync_ddp_if_available
+"""``(tensor, group, reduce_op)``: what ``DDPStrategy.reduce`` runs, over any group."""
+
+
+def strategy_timeout(strategy: Any) -> Any:
+    """The process-group timeout a ``DDPStrategy`` was given (it keeps no public accessor)."""
+    return strategy._timeout
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a ``DDPStrategy`` passes to ``DistributedDataParallel`` (``find_unused_parameters``
+    and the rest it was given)."""
+    return strategy._ddp_kwargs
+
+
+def forward_redirection(strategy: Any) -> Callable[..., Any]:
+    """A strategy's ``_ForwardRedirection``: runs a LightningModule method as the wrapped model's forward, so that
+    forward hooks (FSDP2's gathering) run around it."""
+    return strategy._forward_redirection
+
+
+def after_closure(precision: Any, model: pl.LightningModule, optimizer: Any) -> None:
+    """What ``Precision`` runs after an optimizer's closure: ``on_before_optimizer_step`` and gradient clipping."""
+    precision._after_closure(model, optimizer)
+
+
+def dump_checkpoint(trainer: pl.Trainer) -> dict[str, Any]:
+    """The whole training state as ``Trainer.save_checkpoint`` would write it (``smp.save_checkpoint`` needs it
+    without writing it)."""
+    return trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+
+
+def install_sigterm_hooks(
+    trainer: pl.Trainer, *, on_signal: Callable[[int, Any], None], before_step: Callable[[], None]
+) -> None:
+    """Replace Lightning's SIGTERM handling for ``trainer``: ``on_signal`` instead of the handler that notes the
+    signal and broadcasts inside it (``_SignalConnector._sigterm_notifier_fn``, registered after setup), and
+    ``before_step`` instead of the blocking per-step broadcast of rank 0's flag
+    (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
+    trainer._signal_connector._sigterm_notifier_fn = on_signal
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = before_step
+
+
+def mark_sigterm_received(trainer: pl.Trainer) -> None:
+    """Set what ``trainer.received_sigterm`` reads (a read-only property): the loops stop after this batch."""
+    trainer._signal_connector.received_sigterm = True
+
+
+def stop_child_process_observer() -> None:
+    """Stop Lightning's thread that SIGKILLs this process when a launched rank fails (``_ChildProcessObserver``,
+    named "child-process-observer"), so that this process can report how the ranks ended before exiting."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "child-process-observer":
+            thread._run = lambda: True  # type: ignore[attr-defined]
+
+
+@contextmanager
+def replaced_log(module: pl.LightningModule, log: Callable[..., None]) -> Generator[None, None, None]:
+    """``module.log`` calls go to ``log`` while the body runs (an instance attribute shadowing the method)."""
+    object.__setattr__(module, "log", log)
+    try:
+        yield
+    finally:
+        module.__dict__.pop("log", None)
+
+
+# -- torchmetrics (checked: 1.9.0) -----------------------------------------------------------------------------
+
+
+def set_metric_step_value(metric: Metric, value: Any) -> None:
+    """The value Lightning logs for ``self.log(name, metric)`` at a step: it reads ``metric._forward_cache`` (what
+    the metric's last ``forward`` returned; lightning/pytorch/trainer/connectors/logger_connector/result.py)."""
+    metric._forward_cache = value
+
+
+def set_metric_update_count(metric: Metric, count: int) -> None:
+    """``metric.update_count`` (read-only), for a metric whose state was set from another copy's ``metric_state``:
+    with 0, ``compute`` warns that it runs before ``update``."""
+    metric._update_count = count
+
+
+# -- torch.optim.lr_scheduler (checked: torch 2.13.0) ------------------------------------------------------------
+
+
+def replace_scheduler_methods(
+    scheduler: Any, *, step: Callable[..., None], state_dict: Callable[[], dict[str, Any]]
+) -> tuple[Callable[..., None], Callable[[], dict[str, Any]]]:
+    """Replace a scheduler's ``step`` and ``state_dict`` on the instance (Lightning calls ``scheduler.step()``
+    itself); returns the originals."""
+    originals = scheduler.step, scheduler.state_dict
+    scheduler.step, scheduler.state_dict = step, state_dict
+    return originals
+
+
+def scheduler_state_without(state: dict[str, Any], replaced: tuple[str, ...]) -> dict[str, Any]:
+    """A torch scheduler's ``state_dict`` (its ``__dict__``) without the instance attributes that replaced its
+    methods (`replace_scheduler_methods`): functions, which a checkpoint must not hold."""
+    return {key: value for key, value in state.items() if key not in replaced}

@@ -1,0 +1,198 @@
+"""`lightning_smp._compat`: every private name of another library we use, checked against the installed ones.
+
+Each test names the entry it checks, so an upgrade that renames or changes one fails here, by name.
+"""
+
+import inspect
+import math
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+from torchmetrics.aggregation import SumMetric
+
+from lightning_smp import _compat
+
+# -- torch (2.13.0) ------------------------------------------------------------------------------------------------
+
+
+def test_torch_foreach_kernels():
+    a, b = [torch.ones(2), torch.full((3,), 2.0)], [torch.zeros(2), torch.zeros(3)]
+    _compat.foreach_copy_(b, a)
+    assert torch.equal(b[1], a[1])
+    _compat.foreach_mul_(b, 3.0)
+    _compat.foreach_clamp_max_(b, 5.0)
+    _compat.foreach_clamp_min_(b, 3.5)
+    assert b[0].tolist() == [3.5, 3.5] and b[1].tolist() == [5.0, 5.0, 5.0]
+    assert [n.item() for n in _compat.foreach_norm(a, dtype=torch.float32)] == pytest.approx(
+        [math.sqrt(2), math.sqrt(12)]
+    )
+    _compat.foreach_zero_(b)
+    assert all(not t.any() for t in b)
+
+
+def test_torch_non_finite_check_and_unscale():
+    grads, found = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])], torch.zeros(())
+    _compat.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
+
+
+def test_torch_flat_buffers_and_module_state_sync():
+    tensors = [torch.ones(2), torch.zeros(1, 3)]
+    flat = _compat.flatten_dense_tensors(tensors)
+    assert flat.numel() == 5
+    assert [t.shape for t in _compat.unflatten_dense_tensors(flat, tensors)] == [(2,), (1, 3)]
+    parameters = inspect.signature(_compat.sync_module_states).parameters
+    assert list(parameters)[:5] == [
+        "module",
+        "process_group",
+        "broadcast_bucket_size",
+        "src",
+        "params_and_buffers_to_ignore",
+    ]
+    assert list(inspect.signature(_compat.set_process_group_timeout).parameters)[:2] == ["timeout", "group"]
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert list(inspect.signature(DeviceMesh._unflatten).parameters)[1:4] == ["dim", "mesh_sizes", "mesh_dim_names"]
+
+
+def test_torch_modules_and_their_tables():
+    assert all(issubclass(c, _compat.BatchNormBase) for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm))
+    linear = nn.Linear(2, 3)
+    linear.register_buffer("scale", torch.ones(1))
+    assert set(_compat.parameter_table(linear)) == {"weight", "bias"}
+    assert set(_compat.buffer_table(linear)) == {"scale"}
+    assert _compat.module_table(nn.Sequential(linear))["0"] is linear
+    assert set(_compat.MODULE_TABLES) <= set(vars(linear))
+    replaced = nn.Parameter(torch.zeros(3))
+    _compat.parameter_table(linear)["bias"] = replaced
+    assert linear.bias is replaced  # the live table
+
+
+def test_torch_attention_masks():
+    mask = torch.tensor([[True, False]])
+    canonical = _compat.canonical_mask(
+        mask=mask, mask_name="m", other_type=_compat.none_or_dtype(None), other_name="o", target_type=torch.float32
+    )
+    assert canonical.dtype == torch.float32 and canonical[0, 0] == -math.inf and canonical[0, 1] == 0
+    assert _compat.none_or_dtype(torch.ones(1, dtype=torch.float16)) == torch.float16
+
+
+def test_torch_dispatch_internals():
+    assert issubclass(_compat.TorchDispatchMode, object) and hasattr(_compat.TorchDispatchMode, "__torch_dispatch__")
+    assert {torch.empty, torch.randn, torch.zeros} <= _compat.device_constructors()
+    assert str(_compat.ATEN_TO_COPY) == "aten._to_copy.default"
+    schema = _compat.op_schema(torch.ops.aten.mul_.Tensor)
+    assert schema.is_mutable and schema.arguments[0].alias_info.is_write
+    a = torch.empty(2, device="meta")
+    assert _compat.storage_key(a.untyped_storage()) == _compat.storage_key(a[1:].untyped_storage())
+    assert _compat.storage_key(a.untyped_storage()) != _compat.storage_key(
+        torch.empty(2, device="meta").untyped_storage()
+    )
+    assert all(name in vars(torch.nn.init) for name in _compat.INITS_THAT_SKIP_META)
+    assert "_no_grad_trunc_normal_" in inspect.getsource(torch.nn.init.trunc_normal_)  # looked up at each call
+
+
+def test_torch_pytree():
+    leaves, spec = _compat.tree_flatten({"a": (1, torch.ones(1)), "b": [2]})
+    assert _compat.tree_unflatten(leaves, spec)["b"] == [2]
+    assert _compat.tree_leaves([1, (2, 3)]) == [1, 2, 3]
+    assert _compat.tree_map(lambda x: x * 2, {"a": [1]}) == {"a": [2]}
+
+
+# -- Lightning (2.6.6) -----------------------------------------------------------------------------------------------
+
+
+def _trainer() -> pl.Trainer:
+    return pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+
+
+def test_lightning_checkpoint_dump_and_reduce():
+    trainer = _trainer()
+    assert "weights_only" in inspect.signature(trainer._checkpoint_connector.dump_checkpoint).parameters
+    assert list(inspect.signature(_compat.sync_ddp_if_available).parameters)[:3] == ["result", "group", "reduce_op"]
+
+
+def test_lightning_strategy_and_precision_internals():
+    from datetime import timedelta
+
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import DDPStrategy
+
+    strategy = DDPStrategy(timeout=timedelta(seconds=7), find_unused_parameters=True)
+    assert _compat.strategy_timeout(strategy) == timedelta(seconds=7)
+    assert _compat.ddp_kwargs(strategy) == {"find_unused_parameters": True}
+    assert callable(_compat.forward_redirection(strategy))
+    assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
+    # the protected hooks our subclasses override (see _compat's docstring)
+    assert "self._setup_model(" in inspect.getsource(DDPStrategy)
+    assert "self._precision_plugin" in inspect.getsource(DDPStrategy.__mro__[2])  # Strategy
+    assert "_apply" in vars(nn.Module) and "self._apply(" in inspect.getsource(nn.Module.to)
+
+
+def test_lightning_sigterm_hooks():
+    from lightning.pytorch.loops import training_epoch_loop
+    from lightning.pytorch.trainer.connectors import signal_connector
+
+    trainer = _trainer()
+    assert "self._sigterm_notifier_fn" in inspect.getsource(signal_connector._SignalConnector.register_signal_handlers)
+    assert "self._broadcast_sigterm_tensor()" in inspect.getsource(training_epoch_loop)
+    calls = []
+    _compat.install_sigterm_hooks(trainer, on_signal=lambda *a: calls.append(a), before_step=lambda: calls.append(0))
+    trainer._signal_connector._sigterm_notifier_fn(15, None)
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
+    assert calls == [(15, None), 0]
+    assert not trainer.received_sigterm
+    _compat.mark_sigterm_received(trainer)
+    assert trainer.received_sigterm
+
+
+def test_lightning_child_process_observer():
+    from lightning.fabric.strategies.launchers import subprocess_script
+
+    source = inspect.getsource(subprocess_script._ChildProcessObserver)
+    assert 'name="child-process-observer"' in source and "self._finished = self._run()" in source
+    _compat.stop_child_process_observer()  # none running here: a no-op
+
+
+def test_lightning_log_replaced_on_the_instance():
+    module = pl.LightningModule()
+    calls = []
+    with _compat.replaced_log(module, lambda *args, **kwargs: calls.append(args)):
+        module.log("x", 1.0)
+    assert calls == [("x", 1.0)] and "log" not in vars(module)
+
+
+# -- torchmetrics (1.9.0) ------------------------------------------------------------------------------------------
+
+
+def test_torchmetrics_step_value_lightning_reads_and_update_count():
+    from lightning.pytorch.trainer.connectors.logger_connector import result
+
+    assert "value._forward_cache" in inspect.getsource(result._ResultMetric.update)
+    metric = SumMetric()
+    assert metric(torch.tensor(2.0)) is metric._forward_cache  # what forward leaves there
+    _compat.set_metric_step_value(metric, torch.tensor(7.0))
+    assert metric._forward_cache.item() == 7.0
+    metric.reset()
+    _compat.set_metric_update_count(metric, 3)
+    assert metric.update_count == 3 and metric.update_called
+
+
+# -- torch.optim.lr_scheduler (torch 2.13.0) -------------------------------------------------------------------------
+
+
+def test_scheduler_methods_replaced_and_left_out_of_its_state():
+    optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)
+    steps = []
+    step, state_dict = _compat.replace_scheduler_methods(scheduler, step=lambda: steps.append(1), state_dict=dict)
+    scheduler.step()
+    assert steps == [1] and optimizer.param_groups[0]["lr"] == 1.0
+    state = state_dict()
+    assert {"step", "state_dict"} <= set(state)  # torch saves the instance's __dict__, replaced methods included
+    assert not {"step", "state_dict"} & set(_compat.scheduler_state_without(state, ("step", "state_dict")))
+    optimizer.step()
+    step()
+    assert optimizer.param_groups[0]["lr"] == 0.5
