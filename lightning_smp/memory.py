@@ -4,9 +4,9 @@ Owns the arithmetic only: bytes per element of parameters, gradients, fp32 maste
 activation estimate of Korthikanti et al. 2022 (Table 2), whether the largest rank fits a device, and the search
 over layouts for a device count. What a rank holds is not re-derived here: the package's own pure plans run on the
 model (best built on the meta device) — ``plan_tensor_parallel`` says which parameters each tensor-parallel rank
-keeps 1/tp of, ``find_trunk`` / ``describe_children`` / ``plan_partition`` which trunk children each stage keeps,
-``plan_outside`` which stages keep the modules outside the trunk, the pipeline schedule how many microbatches a
-stage holds at once — so the estimate follows the code that trains.
+keeps 1/tp of, ``plan_layout`` (the pipeline engine's own plan: trunk, partition, what lies outside it) which
+stages keep each parameter, the pipeline schedule how many microbatches a stage holds at once — so the estimate
+follows the code that trains.
 """
 
 from __future__ import annotations
@@ -23,14 +23,7 @@ from torch import nn
 from lightning_smp._compat import BatchNormBase
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
-from lightning_smp.pipeline.partition import (
-    OutsidePlan,
-    PartitionPlan,
-    describe_children,
-    find_trunk,
-    plan_configured_partition,
-    plan_outside,
-)
+from lightning_smp.pipeline.layout import PipelineLayout, plan_layout
 from lightning_smp.sharded_data_parallel import plan_units
 from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
 from lightning_smp.topology import rank_groups
@@ -490,40 +483,20 @@ def _tensor_parallel_shards(
 
 @dataclass(frozen=True)
 class _Placement:
-    """Which pipeline stages hold a parameter or module: the partition plan and the plan of what lies outside the
-    trunk, as the pipeline engine builds them."""
+    """Which pipeline stages hold a parameter or module: the layout the pipeline engine plans (`plan_layout`)."""
 
     stages: int
-    plan: PartitionPlan | None = None
-    outside: OutsidePlan | None = None
+    layout: PipelineLayout | None = None
 
     @classmethod
     def of(cls, model: nn.Module, stages: int, config: SMPConfig) -> _Placement:
         if stages == 1:
             return cls(1)
-        trunk_name, trunk = find_trunk(model, config.pipeline_module)
-        plan = plan_configured_partition(
-            trunk_name, trunk, describe_children(trunk, trunk_name), stages=stages, config=config
-        )
-        return cls(stages, plan, plan_outside(model, plan))
+        return cls(stages, plan_layout(model, stages=stages, config=config))
 
     def stages_of(self, names: Sequence[str]) -> set[int]:
-        """The stages holding what is registered under ``names`` (parameter or module names): a trunk child's
-        stage; outside the trunk the side it lies on (tied weights: the first and the last stage; parameters on
-        the trunk's ancestors: every stage)."""
-        if self.plan is None or self.outside is None:
-            return {0}
-        prefix = f"{self.plan.trunk}."
-        stages = {self.plan.stage_of(int(n[len(prefix) :].split(".")[0])) for n in names if n.startswith(prefix)}
-        for name in (n for n in names if not n.startswith(prefix)):
-            side = self.outside.side_of(name)
-            if name in self.outside.tied:
-                stages |= {0, self.stages - 1}
-            elif side is None:
-                stages |= set(range(self.stages))
-            else:
-                stages.add(side)
-        return stages
+        """The stages holding what is registered under ``names`` (parameter or module names)."""
+        return self.layout.holders(names) if self.layout is not None else {0}
 
 
 def _in_flight(stages: int, stage: int, config: SMPConfig) -> int:

@@ -1,10 +1,13 @@
-"""`lightning_smp._compat`: every private name of another library we use, checked against the installed ones.
+"""`lightning_smp._compat`: every private name of another library we use, checked against the installed ones, and
+the rule that no other module of the package touches one.
 
 Each test names the entry it checks, so an upgrade that renames or changes one fails here, by name.
 """
 
+import ast
 import inspect
 import math
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -13,6 +16,89 @@ from torch import nn
 from torchmetrics.aggregation import SumMetric
 
 from lightning_smp import _compat
+
+PACKAGE = Path(_compat.__file__).parent
+
+# Private names of other libraries that we also use for attributes of our own, so that the rule's "is it ours"
+# test below cannot tell them apart: they are always foreign.
+_FOREIGN = {
+    "_buffers",
+    "_checkpoint_connector",
+    "_computed",
+    "_forward_cache",
+    "_modules",
+    "_optimizer",
+    "_parameters",
+    "_signal_connector",
+    "_update_count",
+}
+
+
+# -- the rule ------------------------------------------------------------------------------------------------------
+
+
+def _our_private_names() -> set[str]:
+    """Every ``_name`` the package defines: functions, classes, module globals, attributes it assigns."""
+    names = set()
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.alias) and node.asname:
+                names.add(node.asname)
+            elif isinstance(node, ast.Call) and _is_setattr(node.func) and _constant_name(node):
+                names.add(node.args[1].value)  # object.__setattr__(module, "_name", ...)
+    return {name for name in names if name.startswith("_")} - _FOREIGN
+
+
+def _constant_name(call: ast.Call) -> bool:
+    return len(call.args) > 1 and isinstance(call.args[1], ast.Constant) and isinstance(call.args[1].value, str)
+
+
+def _is_setattr(func: ast.expr) -> bool:
+    return (isinstance(func, ast.Name) and func.id == "setattr") or (
+        isinstance(func, ast.Attribute) and func.attr == "__setattr__"
+    )
+
+
+def _private_uses(path: Path, ours: set[str]) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.module.startswith("lightning_smp"):
+            parts = node.module.split(".")
+            private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            if any(part.startswith("_") and part != "__future__" for part in parts) or private:
+                found.append(f"{path.name}:{node.lineno} from {node.module} import {', '.join(private) or '...'}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if any(part.startswith("_") for part in alias.name.split(".")):
+                    found.append(f"{path.name}:{node.lineno} import {alias.name}")
+        elif isinstance(node, ast.Attribute):
+            attr = node.attr
+            if attr.startswith("_") and not attr.startswith("__") and attr not in ours:
+                found.append(f"{path.name}:{node.lineno} .{attr}")
+    return found
+
+
+def test_no_module_but_compat_touches_another_librarys_private_names():
+    ours = _our_private_names()
+    found = [
+        use for path in sorted(PACKAGE.rglob("*.py")) if path.name != "_compat.py" for use in _private_uses(path, ours)
+    ]
+    assert found == [], "move these into lightning_smp/_compat.py (with the version checked and a test here)"
+
+
+def test_the_rule_finds_a_private_access(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import torch\nfrom torch.utils._pytree import tree_map\nx = torch._foreach_norm\ny = m._parameters\n"
+    )
+    assert len(_private_uses(sample, _our_private_names())) == 3
+
 
 # -- torch (2.13.0) ------------------------------------------------------------------------------------------------
 

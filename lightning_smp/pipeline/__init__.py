@@ -1,9 +1,11 @@
 """Pipeline parallelism with smp's step semantics: the user's step runs per microbatch on every rank, and the
 model's sequential trunk is cut between stages.
 
-Planning is pure (`partition`, `schedule`, `microbatch`); execution consumes the plans (`stage` routes the trunk's
-children on this rank, `p2p` moves activations and gradients, `runtime` drives a step). The strategy builds one
-`PipelineEngine` per run with `build_engine`; users place modules with ``smp.partition`` / ``smp.set_partition``.
+Planning is pure (`partition`, `layout`: where every parameter lives, `schedule`, `microbatch`); execution consumes
+the plans (`stage` routes the trunk's children on this rank, `p2p` moves activations and gradients, `runtime` drives
+a step, handing its gradients to `held_gradients` and `reduction` and its outputs, logs and metrics to `results`).
+The strategy builds one `PipelineEngine` per run with `build_engine`; users place modules with ``smp.partition`` /
+``smp.set_partition``.
 """
 
 from lightning_smp.pipeline.microbatch import merge_outputs, split_batch
