@@ -512,11 +512,8 @@ def _in_flight(stages: int, stage: int, config: SMPConfig) -> int:
         active=config.resolved_active_microbatches,
         chunks_per_stage=config.virtual_stages,
     )
-    live = peak = 0
-    for action in plan:
-        live += 1 if action.forward else -1
-        peak = max(peak, live)
-    return -(-peak // config.virtual_stages)  # a stage's activations per microbatch cover all of its chunks
+    # a stage's activations per microbatch cover all of its chunks
+    return -(-schedules.peak_in_flight(plan) // config.virtual_stages)
 
 
 def _activations(

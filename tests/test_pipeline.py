@@ -82,7 +82,7 @@ def test_reduce_values_follows_the_log_calls_reduce_fx():
 
 
 def _name(action):
-    return f"{'F' if action.forward else 'B'}{action.microbatch}"
+    return f"{action.kind}{action.microbatch}"
 
 
 def _orders(pipeline, stages, microbatches, **kwargs):
@@ -130,14 +130,49 @@ def test_one_microbatch_ahead_keeps_message_latency_off_the_critical_path():
         assert schedule.simulate(plain, latency=0.3).makespan >= ideal + 0.3 * 8 - 1e-9
 
 
-@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved", "zero_bubble"])
 def test_every_schedule_completes_without_deadlock(pipeline):
     for stages in range(1, 6):
         for microbatches in range(1, 10):
             for active in (None, 1, 2, stages + 2):
                 plans, sim = _orders(pipeline, stages, microbatches, active=active)
-                assert sum(map(len, plans)) == 2 * stages * microbatches
+                for kind in "FB":
+                    assert sum(a.kind == kind for plan in plans for a in plan) == stages * microbatches
                 assert sim.busy == (3.0 * microbatches,) * stages
+                if active is not None:
+                    assert max(sim.peak_in_flight) <= active
+
+
+def test_zero_bubble_is_1f1b_with_its_weight_gradients_held_back():
+    plans, _ = _orders("zero_bubble", 4, 8)
+    for stage, plan in enumerate(plans):
+        one_f_one_b = schedule.build("interleaved", stages=4, stage=stage, microbatches=8)
+        assert [a for a in plan if a.kind != "W"] == one_f_one_b  # F and B where 1F1B runs them
+        held = [a for a in plan if a.kind == "W"]
+        assert [a.microbatch for a in held] == ([] if stage == 0 else list(range(8)))  # the first stage: whole
+        for weight in held:
+            assert plan.index(schedule.Action("B", weight.microbatch, stage)) < plan.index(weight)
+    # the last stage holds four W's back (its live microbatches then peak at 5, as 1F1B's first stage's)
+    assert [_name(a) for a in plans[3][:12]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "W0", "F5"]
+    assert [_name(a) for a in plans[3][-5:]] == ["W3", "W4", "W5", "W6", "W7"]
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(2, 8), (4, 8), (8, 32)])
+def test_zero_bubble_leaves_a_third_of_1f1bs_bubble_at_its_memory(stages, microbatches):
+    """ZB-H1 (arXiv 2401.10241 §3): with F = B = W the bubble is (p - 1)(F + B - W), a third of 1F1B's
+    (p - 1)(F + B + W); no stage holds more live microbatches than 1F1B's first stage."""
+    costs = dict(forward_time=1.0, backward_time=2.0, weight_time=1.0)  # F = B = W = 1, a whole backward 2
+    one_f_one_b = schedule.simulate(_orders("interleaved", stages, microbatches)[0], **costs)
+    zero_bubble = schedule.simulate(_orders("zero_bubble", stages, microbatches)[0], **costs)
+    assert one_f_one_b.bubble == 3 * (stages - 1)
+    assert zero_bubble.bubble == stages - 1 <= one_f_one_b.bubble / 3
+    assert max(zero_bubble.peak_in_flight) == max(one_f_one_b.peak_in_flight)
+    latency = dict(costs, latency=0.3)  # with a message latency too
+    gained = (
+        schedule.simulate(_orders("interleaved", stages, microbatches)[0], **latency).makespan
+        - schedule.simulate(_orders("zero_bubble", stages, microbatches)[0], **latency).makespan
+    )
+    assert gained >= 1.5 * (stages - 1)
 
 
 def test_virtual_stages_cut_the_bubble():
@@ -166,12 +201,28 @@ def test_virtual_stages_are_checked_with_the_config():
 
 
 def test_the_simulator_finds_deadlocks_and_incomplete_plans():
-    forward, backward = schedule.Action(True, 0, 0), schedule.Action(False, 0, 0)
-    first, second = schedule.Action(True, 0, 1), schedule.Action(False, 0, 1)
+    forward, backward = schedule.Action("F", 0, 0), schedule.Action("B", 0, 0)
+    first, second = schedule.Action("F", 0, 1), schedule.Action("B", 0, 1)
+    weight = schedule.Action("W", 0, 1)
     with pytest.raises(ValueError, match="deadlock"):
         schedule.simulate([[backward, forward], [first, second]])  # stage 0 waits for a grad before sending
     with pytest.raises(ValueError, match="exactly once"):
         schedule.simulate([[forward], [first, second]])
+    with pytest.raises(ValueError, match="deadlock"):
+        schedule.simulate([[forward, backward], [first, weight, second]])  # a W before its own B
+    with pytest.raises(ValueError, match="exactly once"):
+        schedule.simulate([[forward, backward], [first, weight]])  # a W with no B
+    with pytest.raises(ValueError, match="kind is one of"):
+        schedule.Action("X", 0)
+
+
+def test_the_simulator_costs_a_split_backward_as_its_two_parts():
+    plans = [[schedule.Action("F", 0, 0), schedule.Action("B", 0, 0)]]
+    plans.append([schedule.Action("F", 0, 1), schedule.Action("B", 0, 1), schedule.Action("W", 0, 1)])
+    sim = schedule.simulate(plans, forward_time=1.0, backward_time=3.0, weight_time=2.0)
+    # F@0, F@1, B@1 (3 - 2), then B@0 (whole) while W@1 runs
+    assert sim.makespan == 1 + 1 + 1 + 3 and sim.busy == (4.0, 4.0) and sim.bubble == 2.0
+    assert sim.peak_in_flight == (1, 1) and schedule.peak_in_flight(plans[1]) == 1
 
 
 # -- partitions --------------------------------------------------------------------------------------------------

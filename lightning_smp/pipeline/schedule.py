@@ -2,9 +2,11 @@
 
 Owns the orders smp offers — "simple" (GPipe: every forward, then every backward, in waves of at most
 ``active_microbatches``), "interleaved" (1F1B: a backward as early as possible, at most ``active_microbatches``
-in flight) — the forward-only order of evaluation, Megatron's interleaved order for several model chunks
-("virtual stages") per rank, and `simulate`, which replays a set of plans with non-blocking sends and blocking
-receives to prove they cannot deadlock and to measure their makespan. `runtime.py` consumes the plans.
+in flight) — ours, "zero_bubble" (ZB-H1, Qi et al. 2023, arXiv 2401.10241: each backward split into the input
+gradient B, on the critical path, and the weight gradient W, placed to fill 1F1B's bubble), the forward-only order
+of evaluation, Megatron's interleaved order for several model chunks ("virtual stages") per rank, and
+`simulate`, which replays a set of plans with non-blocking sends and blocking receives to prove they cannot
+deadlock and to measure their makespan and bubble. `runtime.py` consumes the plans.
 
 Chunks: with ``chunks_per_stage`` = v the trunk is cut into ``stages * v`` chunks; chunk ``c`` runs on stage
 ``c % stages``, so activations always travel to the next rank (the last rank wraps to rank 0) and the loss is
@@ -25,22 +27,38 @@ __all__ = [
     "gpipe",
     "interleaved_virtual",
     "one_f_one_b",
+    "peak_in_flight",
     "simulate",
+    "zero_bubble",
 ]
 
-PIPELINES = ("simple", "interleaved")
+PIPELINES = ("simple", "interleaved", "zero_bubble")
+
+
+FORWARD, BACKWARD, WEIGHT = "F", "B", "W"
 
 
 @dataclass(frozen=True, slots=True)
 class Action:
-    """Run the forward (or the backward) of ``microbatch`` through trunk chunk ``chunk``."""
+    """Run one part of ``microbatch`` through trunk chunk ``chunk``: its forward (``"F"``), its backward
+    (``"B"``), or the weight-gradient part of its backward (``"W"``). A plan that holds a W for a microbatch and
+    chunk runs its B as the input gradient only (what the previous chunk waits for) and its W later; without
+    one, B is the whole backward."""
 
-    forward: bool
+    kind: str
     microbatch: int
     chunk: int = 0
 
+    def __post_init__(self) -> None:
+        if self.kind not in (FORWARD, BACKWARD, WEIGHT):
+            raise ValueError(f"an action's kind is one of {(FORWARD, BACKWARD, WEIGHT)}, got {self.kind!r}")
+
+    @property
+    def forward(self) -> bool:
+        return self.kind == FORWARD
+
     def __repr__(self) -> str:
-        return f"{'F' if self.forward else 'B'}{self.microbatch}" + (f"@{self.chunk}" if self.chunk else "")
+        return f"{self.kind}{self.microbatch}" + (f"@{self.chunk}" if self.chunk else "")
 
 
 def gpipe(*, stages: int, stage: int, microbatches: int, active: int | None = None) -> list[Action]:
@@ -53,8 +71,8 @@ def gpipe(*, stages: int, stage: int, microbatches: int, active: int | None = No
     actions: list[Action] = []
     for start in range(0, microbatches, wave):
         members = range(start, min(start + wave, microbatches))
-        actions += [Action(True, i, stage) for i in members]
-        actions += [Action(False, i, stage) for i in members]
+        actions += [Action(FORWARD, i, stage) for i in members]
+        actions += [Action(BACKWARD, i, stage) for i in members]
     return actions
 
 
@@ -72,13 +90,46 @@ def one_f_one_b(*, stages: int, stage: int, microbatches: int, active: int | Non
     `simulate` with ``latency`` shows the difference.
     """
     _check(stages=stages, stage=stage, microbatches=microbatches)
-    ahead = 1 if stage < stages - 1 else 0
-    warmup = min(stages - stage - 1 + ahead, _cap(active, microbatches) - 1, microbatches)
-    actions = [Action(True, i, stage) for i in range(warmup)]
+    warmup = _warmup(stages=stages, stage=stage, microbatches=microbatches, cap=_cap(active, microbatches))
+    actions = [Action(FORWARD, i, stage) for i in range(warmup)]
     for offset in range(microbatches - warmup):
-        actions += [Action(True, warmup + offset, stage), Action(False, offset, stage)]
-    actions += [Action(False, i, stage) for i in range(microbatches - warmup, microbatches)]
+        actions += [Action(FORWARD, warmup + offset, stage), Action(BACKWARD, offset, stage)]
+    actions += [Action(BACKWARD, i, stage) for i in range(microbatches - warmup, microbatches)]
     return actions
+
+
+def zero_bubble(*, stages: int, stage: int, microbatches: int, active: int | None = None) -> list[Action]:
+    """Ours, "zero_bubble": ZB-H1 (Qi et al. 2023, arXiv 2401.10241 §3), 1F1B with its backwards split.
+
+    B (the input gradient, what the previous stage waits for) runs where `one_f_one_b` runs the backward; the W
+    that follows it (the weight gradients) waits, and the held-back W's fill the time where 1F1B leaves a stage
+    idle, while the earlier stages finish their backwards. Each stage holds back as many W's as keep its live
+    microbatches (forward to W) at the first stage's peak under 1F1B, ``stages + 1`` (capped by ``active``): none
+    on the first stage, ``s`` on stage ``s``, ``stages`` on the last. It runs the oldest held W after each B once
+    more are held, the rest after its last B. The backwards travelling down the stages then carry B alone, so with
+    F = B = W the bubble is a third of 1F1B's, at 1F1B's peak of live microbatches over the stages. The warm-up is
+    `one_f_one_b`'s (one microbatch ahead). A stage that holds none runs each backward whole.
+    """
+    _check(stages=stages, stage=stage, microbatches=microbatches)
+    cap = _cap(active, microbatches)
+    warmup = _warmup(stages=stages, stage=stage, microbatches=microbatches, cap=cap)
+    hold = min(stages + 1, cap) - 1 - warmup
+    actions = [Action(FORWARD, i, stage) for i in range(warmup)]
+    held: list[int] = []
+
+    def backward(i: int) -> None:
+        actions.append(Action(BACKWARD, i, stage))
+        if hold > 0:
+            held.append(i)
+            if len(held) > hold:
+                actions.append(Action(WEIGHT, held.pop(0), stage))
+
+    for offset in range(microbatches - warmup):
+        actions.append(Action(FORWARD, warmup + offset, stage))
+        backward(offset)
+    for i in range(microbatches - warmup, microbatches):
+        backward(i)
+    return actions + [Action(WEIGHT, i, stage) for i in held]
 
 
 def interleaved_virtual(*, stages: int, stage: int, microbatches: int, chunks_per_stage: int) -> list[Action]:
@@ -104,7 +155,7 @@ def interleaved_virtual(*, stages: int, stage: int, microbatches: int, chunks_pe
         local = (k % group) // stages
         if not forward:
             local = v - 1 - local
-        return Action(forward, (k // group) * stages + k % stages, local * stages + stage)
+        return Action(FORWARD if forward else BACKWARD, (k // group) * stages + k % stages, local * stages + stage)
 
     warmup = min((stages - stage - 1) * 2 + (v - 1) * stages, total)
     actions = [action(k, True) for k in range(warmup)]
@@ -117,7 +168,8 @@ def interleaved_virtual(*, stages: int, stage: int, microbatches: int, chunks_pe
 def forward_only(*, stages: int, stage: int, microbatches: int, chunks_per_stage: int = 1) -> list[Action]:
     """Evaluation: every microbatch forward through this stage's chunks, in microbatch then chunk order."""
     _check(stages=stages, stage=stage, microbatches=microbatches)
-    return [Action(True, i, local * stages + stage) for i in range(microbatches) for local in range(chunks_per_stage)]
+    chunks = [local * stages + stage for local in range(chunks_per_stage)]
+    return [Action(FORWARD, i, chunk) for i in range(microbatches) for chunk in chunks]
 
 
 def build(
@@ -130,7 +182,7 @@ def build(
     chunks_per_stage: int = 1,
     training: bool = True,
 ) -> list[Action]:
-    """The plan of ``stage`` for smp's ``pipeline`` setting ("simple" or "interleaved")."""
+    """The plan of ``stage`` for the ``pipeline`` setting: smp's "simple" or "interleaved", or "zero_bubble"."""
     if not training:
         return forward_only(stages=stages, stage=stage, microbatches=microbatches, chunks_per_stage=chunks_per_stage)
     if pipeline not in PIPELINES:
@@ -138,12 +190,13 @@ def build(
     if chunks_per_stage > 1:
         if pipeline != "interleaved":
             raise ValueError(
-                f"{chunks_per_stage} chunks per stage need pipeline='interleaved'; 'simple' runs one chunk per stage."
+                f"{chunks_per_stage} chunks per stage need pipeline='interleaved'; {pipeline!r} runs one chunk per "
+                "stage."
             )
         return interleaved_virtual(
             stages=stages, stage=stage, microbatches=microbatches, chunks_per_stage=chunks_per_stage
         )
-    make = gpipe if pipeline == "simple" else one_f_one_b
+    make = {"simple": gpipe, "interleaved": one_f_one_b, "zero_bubble": zero_bubble}[pipeline]
     return make(stages=stages, stage=stage, microbatches=microbatches, active=active)
 
 
@@ -160,16 +213,31 @@ class Simulation:
         """Busy time of the busiest stage over the makespan (1.0: no bubble)."""
         return max(self.busy) / self.makespan
 
+    @property
+    def bubble(self) -> float:
+        """The time the busiest stage idles in the step: makespan minus its busy time."""
+        return self.makespan - max(self.busy)
+
 
 def simulate(
-    plans: Sequence[Sequence[Action]], *, forward_time: float = 1.0, backward_time: float = 2.0, latency: float = 0.0
+    plans: Sequence[Sequence[Action]],
+    *,
+    forward_time: float = 1.0,
+    backward_time: float = 2.0,
+    weight_time: float | None = None,
+    latency: float = 0.0,
 ) -> Simulation:
     """Run the per-stage ``plans`` (index = stage) as the runtime does: sends never block, a stage waits for
-    the message an action needs, which arrives ``latency`` after the action that sent it ended. Raises
+    the message an action needs, which arrives ``latency`` after the action that sent it ended. A whole backward
+    takes ``backward_time``; split, its W takes ``weight_time`` (default half of it) and its B the rest. A
+    microbatch is live on a stage from its forward to the end of its backward (its W, if split). Raises
     ``ValueError`` if the plans are incomplete or deadlock."""
     stages = len(plans)
     chunks = 1 + max((a.chunk for plan in plans for a in plan), default=0)
     _check_complete(plans, chunks)
+    weight = backward_time / 2 if weight_time is None else weight_time
+    split = {(a.microbatch, a.chunk) for plan in plans for a in plan if a.kind == WEIGHT}
+    costs = {FORWARD: forward_time, WEIGHT: weight}
     done: dict[Action, float] = {}
     position = [0] * stages
     free = [0.0] * stages
@@ -185,12 +253,13 @@ def simulate(
                 needs = _dependencies(action, chunks)
                 if any(need not in done for need in needs):
                     break
-                cost = forward_time if action.forward else backward_time
+                whole = (action.microbatch, action.chunk) not in split
+                cost = costs.get(action.kind, backward_time if whole else backward_time - weight)
                 arrivals = (done[need] + (latency if need.chunk != action.chunk else 0.0) for need in needs)
                 start = max([free[stage], *arrivals])
                 done[action] = free[stage] = start + cost
                 busy[stage] += cost
-                live[stage] += 1 if action.forward else -1
+                live[stage] += _live_change(action, whole)
                 peak[stage] = max(peak[stage], live[stage])
                 position[stage] += 1
                 remaining -= 1
@@ -201,13 +270,31 @@ def simulate(
     return Simulation(makespan=max(free), busy=tuple(busy), peak_in_flight=tuple(peak))
 
 
+def peak_in_flight(plan: Sequence[Action]) -> int:
+    """The most microbatches whose activations one stage's ``plan`` holds at once (forward to end of backward)."""
+    split = {(a.microbatch, a.chunk) for a in plan if a.kind == WEIGHT}
+    live = peak = 0
+    for action in plan:
+        live += _live_change(action, (action.microbatch, action.chunk) not in split)
+        peak = max(peak, live)
+    return peak
+
+
+def _live_change(action: Action, whole: bool) -> int:
+    if action.kind == FORWARD:
+        return 1
+    return -1 if action.kind == WEIGHT or whole else 0
+
+
 def _dependencies(action: Action, chunks: int) -> list[Action]:
     mb, chunk = action.microbatch, action.chunk
     if action.forward:
-        return [Action(True, mb, chunk - 1)] if chunk > 0 else []
-    needs = [Action(True, mb, chunk)]
+        return [Action(FORWARD, mb, chunk - 1)] if chunk > 0 else []
+    if action.kind == WEIGHT:
+        return [Action(BACKWARD, mb, chunk)]
+    needs = [Action(FORWARD, mb, chunk)]
     if chunk < chunks - 1:
-        needs.append(Action(False, mb, chunk + 1))
+        needs.append(Action(BACKWARD, mb, chunk + 1))
     return needs
 
 
@@ -219,12 +306,19 @@ def _check_complete(plans: Sequence[Sequence[Action]], chunks: int) -> None:
         foreign = [a for a in plan if a.chunk % stages != stage]
         if foreign:
             raise ValueError(f"stage {stage}'s plan has actions of other stages' chunks: {foreign}")
-    forwards = {(a.microbatch, a.chunk) for plan in plans for a in plan if a.forward}
-    backwards = {(a.microbatch, a.chunk) for plan in plans for a in plan if not a.forward}
+    forwards = {(a.microbatch, a.chunk) for plan in plans for a in plan if a.kind == FORWARD}
+    backwards = {(a.microbatch, a.chunk) for plan in plans for a in plan if a.kind == BACKWARD}
+    weights = {(a.microbatch, a.chunk) for plan in plans for a in plan if a.kind == WEIGHT}
     microbatches = {mb for mb, _ in forwards}
     expected = {(mb, c) for mb in microbatches for c in range(chunks)}
-    if forwards != expected or (backwards and backwards != expected):
+    if forwards != expected or (backwards and backwards != expected) or not weights <= backwards:
         raise ValueError("the plans do not run every microbatch through every chunk exactly once")
+
+
+def _warmup(*, stages: int, stage: int, microbatches: int, cap: int) -> int:
+    """`one_f_one_b`'s warm-up forwards: PipeDream-flush's, one more before the last stage, at most ``cap - 1``."""
+    ahead = 1 if stage < stages - 1 else 0
+    return min(stages - stage - 1 + ahead, cap - 1, microbatches)
 
 
 def _cap(active: int | None, microbatches: int) -> int:
