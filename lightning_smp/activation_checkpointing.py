@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -200,17 +200,23 @@ class _Checkpointed:
         """Called at the forward: nothing around it; the recomputation replays the tensor-parallel streams."""
         if not (self._streams and self._preserve_rng_state):
             return nullcontext(), nullcontext()
-        return nullcontext(), _replaying(self._streams, [stream.state_dict() for stream in self._streams])
+        return nullcontext(), _Replaying(self._streams, [stream.state_dict() for stream in self._streams])
 
 
-@contextmanager
-def _replaying(streams: list[TensorParallelRNG], at_forward: list[dict[str, Any]]) -> Generator[None, None, None]:
-    """Rewind ``streams`` to their state at the forward for the recomputation, then put them back."""
-    now = [stream.state_dict() for stream in streams]
-    for stream, state in zip(streams, at_forward, strict=True):
-        stream.load_state_dict(state)
-    try:
-        yield
-    finally:
-        for stream, state in zip(streams, now, strict=True):
+class _Replaying:
+    """Rewinds ``streams`` to their state at the forward for a recomputation, then puts them back. Entered once
+    per recomputation: a backward split in two (``pipeline="zero_bubble"``) recomputes twice."""
+
+    def __init__(self, streams: list[TensorParallelRNG], at_forward: list[dict[str, Any]]) -> None:
+        self._streams = streams
+        self._at_forward = at_forward
+        self._now: list[list[dict[str, Any]]] = []
+
+    def __enter__(self) -> None:
+        self._now.append([stream.state_dict() for stream in self._streams])
+        for stream, state in zip(self._streams, self._at_forward, strict=True):
+            stream.load_state_dict(state)
+
+    def __exit__(self, *exc: object) -> None:
+        for stream, state in zip(self._streams, self._now.pop(), strict=True):
             stream.load_state_dict(state)

@@ -27,7 +27,7 @@ __all__ = ["TENSOR_PARALLEL_STYLES", "SMPConfig"]
 _ENV_VAR = "SM_HP_MP_PARAMETERS"
 # smp's schema has exactly one alias (config.yaml: pipeline_parallel_degree.alias = partitions).
 _ALIAS, _ALIAS_OF = "partitions", "pipeline_parallel_degree"
-_PIPELINES = ("interleaved", "simple")
+_PIPELINES = ("interleaved", "simple", "zero_bubble")
 _OPTIMIZE = ("speed", "memory")
 _DDP_BACKENDS = ("auto", "nccl")
 _NAMED_PLACEMENTS = {"cluster": "DPT", "spread": "TPD"}
@@ -140,7 +140,8 @@ class SMPConfig:
     """Pieces each batch is split into for pipelining; the batch size must be divisible by it."""
     pipeline: str = "interleaved"
     """Pipeline schedule: "interleaved" runs a backward as soon as it can (1F1B), "simple" runs every forward
-    first (GPipe)."""
+    first (GPipe); "zero_bubble" (not smp's) is 1F1B with each backward split into its input and weight gradients,
+    the weight gradients moved to fill the pipeline's idle time (ZB-H1: a third of 1F1B's bubble, same memory)."""
     optimize: str = "speed"
     """smp's choice between tensor-parallel transformer implementations: "speed" or "memory". smp's code
     defaults to "speed" (its docs table says "memory")."""

@@ -287,15 +287,20 @@ def _fit_pipelined(rank: int) -> dict:
     torch.set_num_threads(1)
     lightning_smp.strategy.ActivationOffloader = _CountingOffloader  # this rank process only
     options = dict(devices=2, pipeline_parallel_degree=2, microbatches=2)
-    checkpointed = _fit_gpt(**options)
-    offloaded = _fit_gpt(**options, offload_activations=True)
-    return {"checkpointed": checkpointed, "offloaded": offloaded, "forwards": _CountingOffloader.forwards}
+    results = {"checkpointed": _fit_gpt(**options), "offloaded": _fit_gpt(**options, offload_activations=True)}
+    # zero bubble: the last stage's split backward recomputes each block twice, loading its inputs back twice
+    zero_bubble = dict(options, pipeline="zero_bubble")
+    results["checkpointed_zb"] = _fit_gpt(**zero_bubble)
+    results["offloaded_zb"] = _fit_gpt(**zero_bubble, offload_activations=True)
+    return {**results, "forwards": _CountingOffloader.forwards}
 
 
+@pytest.mark.timeout(480)
 def test_pipelined_offloaded_training_matches_plain_checkpointing():
-    for rank in run_distributed(_fit_pipelined, 2, timeout=300):
+    for rank in run_distributed(_fit_pipelined, 2, timeout=420):
         _assert_same_training(rank["offloaded"], rank["checkpointed"])
-        assert rank["forwards"] == STEPS * 2 * (DEPTH // 2)  # microbatches × the blocks of this stage
+        _assert_same_training(rank["offloaded_zb"], rank["checkpointed_zb"])
+        assert rank["forwards"] == 2 * STEPS * 2 * (DEPTH // 2)  # two runs × microbatches × the blocks of a stage
 
 
 def test_offloading_without_checkpointed_modules_is_a_clear_error():

@@ -198,6 +198,7 @@ _GROUP_OF_PATH = {
     "strategy.py": "Configuring the strategy",
     "topology.py": "Launching and failures",
     "fault_tolerance.py": "Launching and failures",
+    "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
     "activation_checkpointing.py": "Model creation and memory",
     "activation_offloading.py": "Model creation and memory",
     "delayed_init.py": "Model creation and memory",

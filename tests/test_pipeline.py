@@ -212,8 +212,6 @@ def test_the_simulator_finds_deadlocks_and_incomplete_plans():
         schedule.simulate([[forward, backward], [first, weight, second]])  # a W before its own B
     with pytest.raises(ValueError, match="exactly once"):
         schedule.simulate([[forward, backward], [first, weight]])  # a W with no B
-    with pytest.raises(ValueError, match="kind is one of"):
-        schedule.Action("X", 0)
 
 
 def test_the_simulator_costs_a_split_backward_as_its_two_parts():
@@ -506,3 +504,118 @@ class _TwoInputs(nn.Linear):
 
     def forward(self, x, extra):
         return super().forward(x) + extra
+
+
+# -- a backward split into input and weight gradients (zero bubble) -------------------------------------------------
+
+
+class _Hooked(nn.Module):
+    """A linear layer whose weight gradient passes a hook (as tensor-parallel replicated norms sum theirs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.linear.weight.register_hook(lambda grad: 2 * grad)
+
+    def forward(self, x):
+        return self.linear(x)
+
+
+class _Reused(nn.Module):
+    """One layer applied twice: its weight meets the activation's path at two nodes, one below the other."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.linear(torch.relu(self.linear(x)))
+
+
+class _ParameterOnlyOutput(nn.Module):
+    """Two outputs, one of which depends on parameters only (its path never meets the activation's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.table = nn.Parameter(torch.randn(8, 16))
+        self.scale = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        y = self.table @ self.scale
+        return self.linear(x) + y, 2 * y
+
+
+class _LossHead(nn.Module):
+    """The last stage: a norm, a head and a scalar loss with a weight penalty off the activation's path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.norm(x)).logsumexp(-1).mean() + 0.1 * self.head.weight.square().sum()
+
+
+def _blocks(checkpointed: bool) -> nn.Module:
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.models import TransformerBlock
+
+    class Blocks(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(TransformerBlock(16) for _ in range(2))
+
+        def forward(self, x):
+            mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).triu(1)
+            for block in self.blocks:
+                x = checkpoint(block, x, mask, use_reentrant=False) if checkpointed else block(x, mask)
+            return x
+
+    return Blocks()
+
+
+_STAGES = {
+    "mlp": lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU()),
+    "transformer": lambda: _blocks(checkpointed=False),
+    "checkpointed": lambda: _blocks(checkpointed=True),
+    "hooked": _Hooked,
+    "reused": _Reused,
+    "parameter_only_output": _ParameterOnlyOutput,
+    "loss": _LossHead,
+}
+
+
+@pytest.mark.parametrize("name", list(_STAGES))
+@pytest.mark.parametrize("receives", [True, False])
+def test_a_split_backward_gives_the_whole_backwards_gradients_in_two_parts(name, receives):
+    """B gives the received activation's gradient and touches no weight; W then gives the weights' gradients the
+    whole backward gives (without a received activation, the first stage: B does nothing, W is the whole)."""
+    from lightning_smp.pipeline.split_backward import BackwardSplitter
+
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)
+        stage = _STAGES[name]()
+        x = torch.randn(4, 8, 16, requires_grad=receives)
+        outputs = stage(x)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        grads = [None if out.dim() == 0 else torch.randn_like(out) for out in outputs]
+        if not split:
+            torch.autograd.backward(outputs, grads)
+        else:
+            weights = BackwardSplitter(list(stage.parameters())).backward_input(outputs, grads, [x])
+            assert all(p.grad is None for p in stage.parameters())
+            received = None if x.grad is None else x.grad.clone()
+            weights()
+            assert (x.grad is None and received is None) or torch.equal(x.grad, received)  # W: weights only
+        results.append((x.grad, {n: p.grad for n, p in stage.named_parameters()}))
+    (whole_input, whole), (split_input, split_weights) = results
+    assert (whole_input is None) == (not receives)
+    if receives:
+        torch.testing.assert_close(split_input, whole_input)
+    assert whole.keys() == split_weights.keys() and all(g is not None for g in split_weights.values())
+    for param_name, grad in whole.items():
+        torch.testing.assert_close(split_weights[param_name], grad, msg=param_name)

@@ -145,12 +145,29 @@ def _trainer(strategy, **kwargs) -> pl.Trainer:
 # -- the distributed runs ---------------------------------------------------------------------------------------
 
 
+_WEIGHT_ACTIONS = [0]  # W actions (split backwards' weight gradients) this rank ran
+
+
+def _count_weight_actions() -> None:
+    from lightning_smp.pipeline.runtime import PipelineEngine
+
+    run = PipelineEngine._weight
+
+    def counted(self, action, state):
+        _WEIGHT_ACTIONS[0] += 1
+        return run(self, action, state)
+
+    PipelineEngine._weight = counted
+
+
 def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
     """Train each layout (model name, model kwargs, strategy kwargs[, trainer kwargs, where ``compile_backend``
     hands ``fit`` the model through ``torch.compile``]); return losses and the weights this rank owns."""
+    _count_weight_actions()
     results = {}
     for name, (model_name, model_kwargs, strategy_kwargs, *trainer_kwargs) in layouts.items():
         torch.manual_seed(0)
+        weight_actions = _WEIGHT_ACTIONS[0]
         model = MODELS[model_name](**model_kwargs)
         recorder = _Losses()
         options = dict(*trainer_kwargs)
@@ -167,6 +184,7 @@ def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
             "skipped": getattr(optimizer, "skipped_steps", torch.zeros(())).item(),
             "scale": getattr(optimizer, "loss_scale", None),
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # compiled so far in this rank
+            "weight_actions": _WEIGHT_ACTIONS[0] - weight_actions,
         }
     return results
 
@@ -349,6 +367,7 @@ def _errors() -> dict:
 # -- world of 2: pp=2 ----------------------------------------------------------------------------------------------
 
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 4}
+ZB = {"pipeline": "zero_bubble"}
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**16}}  # one overflow, at the first step
 CLIP = 0.5
 LAYOUTS_2 = {
@@ -367,6 +386,11 @@ LAYOUTS_2 = {
     # recomputed in backward: a stage's checkpointed first child replays the activation it received
     "gpt_checkpointed": ("gpt", {"checkpoint": "each"}, PP2),
     "cnn_checkpointed": ("cnn", {"checkpoint": "contiguous"}, PP2),  # on the trunk: child by child, with a warning
+    # zero bubble: the last stage splits its backwards, its weight gradients run after the first stage's backward
+    "gpt_zb": ("gpt", {}, {**PP2, **ZB}),
+    "gpt_zb_fp16_clip": ("gpt", {}, {**PP2, **ZB, **FP16}, {"gradient_clip_val": CLIP}),
+    "gpt_zb_fp32_clip": ("gpt", {}, {**PP2, **ZB}, {"gradient_clip_val": CLIP}),
+    "gpt_zb_checkpointed": ("gpt", {"checkpoint": "each"}, {**PP2, **ZB}),  # W recomputes the blocks again
 }
 
 
@@ -374,19 +398,27 @@ def _world_of_two(rank: int, dirpath: str) -> dict:
     return {
         "layouts": _fit_layouts(rank, LAYOUTS_2),
         "features": _fit_features(dirpath, SMPStrategy(**PP2)),
+        "features_zb": _fit_features(os.path.join(dirpath, "zb"), SMPStrategy(**PP2, **ZB)),
         "errors": _errors(),
     }
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    return run_distributed(_world_of_two, 2, str(tmp_path_factory.mktemp("pp2")), timeout=240)
+    return run_distributed(_world_of_two, 2, str(tmp_path_factory.mktemp("pp2")), timeout=420)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt_1f1b", "gpt_simple"])
+@pytest.mark.timeout(480)
+@pytest.mark.parametrize("name", ["gpt_1f1b", "gpt_simple", "gpt_zb"])
 def test_pp2_gpt_with_tied_head_matches_one_process(two_ranks, name):
     _check_against(_reference("gpt", {}), [r["layouts"] for r in two_ranks], name)
+
+
+@pytest.mark.timeout(480)
+def test_pp2_zero_bubble_holds_back_the_last_stages_weight_gradients(two_ranks):
+    first, last = (r["layouts"]["gpt_zb"]["weight_actions"] for r in two_ranks)
+    assert (first, last) == (0, STEPS * PP2["microbatches"])  # the first stage's backwards run whole
+    assert all(r["layouts"]["gpt_1f1b"]["weight_actions"] == 0 for r in two_ranks)
 
 
 @pytest.mark.timeout(300)
@@ -418,9 +450,11 @@ def test_pp2_with_two_virtual_stages_per_rank_matches_one_process(two_ranks):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt", "cnn"])
-def test_pp2_activation_checkpointed_trunk_matches_one_process(two_ranks, name):
-    _check_against(_reference(name, {}), [r["layouts"] for r in two_ranks], f"{name}_checkpointed")
+@pytest.mark.parametrize(
+    ("name", "layout"), [("gpt", "gpt_checkpointed"), ("cnn", "cnn_checkpointed"), ("gpt", "gpt_zb_checkpointed")]
+)
+def test_pp2_activation_checkpointed_trunk_matches_one_process(two_ranks, name, layout):
+    _check_against(_reference(name, {}), [r["layouts"] for r in two_ranks], layout)
 
 
 @pytest.mark.timeout(300)
@@ -444,23 +478,27 @@ def test_pp2_fp16_matches_one_process_with_the_same_skipped_steps(two_ranks):
 
 
 @pytest.mark.timeout(300)
-def test_pp2_fp16_clips_by_the_global_norm_over_all_stages(two_ranks):
+@pytest.mark.parametrize("name", ["gpt_fp16_clip", "gpt_zb_fp16_clip"])
+def test_pp2_fp16_clips_by_the_global_norm_over_all_stages(two_ranks, name):
     reference = _reference("gpt", {}, fp16=True, init_scale=2.0**16, clip_norm=CLIP)
     unclipped = _reference("gpt", {}, fp16=True, init_scale=2.0**16)
     assert reference["losses"][-1] != pytest.approx(unclipped["losses"][-1], rel=FP16_REL)  # clipping mattered
+    assert reference["skipped"] > 0  # the overflow vote after the last W skipped the same steps
     for result in two_ranks:
-        assert_fp16_matches(result["layouts"]["gpt_fp16_clip"], reference)
+        assert_fp16_matches(result["layouts"][name], reference)
 
 
 @pytest.mark.timeout(300)
-def test_pp2_fp32_clips_by_the_global_norm_over_all_stages(two_ranks):
-    _check_against(_reference("gpt", {}, clip_norm=CLIP), [r["layouts"] for r in two_ranks], "gpt_fp32_clip")
+@pytest.mark.parametrize("name", ["gpt_fp32_clip", "gpt_zb_fp32_clip"])
+def test_pp2_fp32_clips_by_the_global_norm_over_all_stages(two_ranks, name):
+    _check_against(_reference("gpt", {}, clip_norm=CLIP), [r["layouts"] for r in two_ranks], name)
 
 
 @pytest.mark.timeout(300)
-def test_pp2_lightning_features_agree_on_every_rank_and_with_one_process(two_ranks, tmp_path):
+@pytest.mark.parametrize("features", ["features", "features_zb"])
+def test_pp2_lightning_features_agree_on_every_rank_and_with_one_process(two_ranks, tmp_path, features):
     single = _fit_features(str(tmp_path), "auto")
-    first, second = (r["features"] for r in two_ranks)
+    first, second = (r[features] for r in two_ranks)
     assert first.keys() == second.keys()
     for key in first:
         if key == "predictions":
@@ -497,24 +535,39 @@ def test_pp2_user_errors_are_clear_and_raised_on_every_rank(two_ranks):
 
 PP4 = {"pipeline_parallel_degree": 4, "microbatches": 4}
 MLP_TP_PLAN = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}  # each block's MLP split over 2 ranks
+PP2_DP2 = {"pipeline_parallel_degree": 2, "microbatches": 2}
+PP2_TP2 = {**PP2, "tensor_parallel_degree": 2, "tensor_parallel_plan": MLP_TP_PLAN}
 LAYOUTS_4 = {
     "gpt_pp4_1f1b": ("gpt", {}, PP4),
     "gpt_pp4_simple": ("gpt", {}, {**PP4, "pipeline": "simple"}),
     "cnn_pp4_1f1b": ("cnn", {}, PP4),
-    "gpt_pp2_dp2": ("gpt", {}, {"pipeline_parallel_degree": 2, "microbatches": 2}),
-    "gpt_pp2_tp2": ("gpt", {}, {**PP2, "tensor_parallel_degree": 2, "tensor_parallel_plan": MLP_TP_PLAN}),
+    "gpt_pp2_dp2": ("gpt", {}, PP2_DP2),
+    "gpt_pp2_tp2": ("gpt", {}, PP2_TP2),
+    "gpt_pp4_zb": ("gpt", {}, {**PP4, **ZB}),
+    "gpt_pp2_dp2_zb": ("gpt", {}, {**PP2_DP2, **ZB}),
+    "gpt_pp2_dp2_zb_zero1": ("gpt", {}, {**PP2_DP2, **ZB, "shard_optimizer_state": True}),  # optimizer reduces
+    # each block checkpointed: W recomputes it again, replaying the tensor-parallel streams a second time
+    "gpt_pp2_tp2_zb_checkpointed": ("gpt", {"checkpoint": "each"}, {**PP2_TP2, **ZB}),
 }
 
 
 @pytest.fixture(scope="module")
 def four_ranks():
-    return run_distributed(_fit_layouts, 4, LAYOUTS_4, timeout=240)
+    return run_distributed(_fit_layouts, 4, LAYOUTS_4, timeout=480)
+
+
+@pytest.mark.timeout(540)
+@pytest.mark.parametrize("name", ["gpt_pp4_1f1b", "gpt_pp4_simple", "gpt_pp4_zb"])
+def test_pp4_gpt_matches_one_process(four_ranks, name):
+    _check_against(_reference("gpt", {}), four_ranks, name)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt_pp4_1f1b", "gpt_pp4_simple"])
-def test_pp4_gpt_matches_one_process(four_ranks, name):
-    _check_against(_reference("gpt", {}), four_ranks, name)
+def test_pp4_zero_bubble_splits_the_backwards_of_the_stages_that_hold_weight_gradients_back(four_ranks):
+    # 4 microbatches and at most 4 live: stages 0 and 1 warm up with all of them and hold no W back (whole
+    # backwards); stages 2 and 3 split every backward
+    split = STEPS * PP4["microbatches"]
+    assert [r["gpt_pp4_zb"]["weight_actions"] for r in four_ranks] == [0, 0, split, split]
 
 
 @pytest.mark.timeout(300)
@@ -523,16 +576,18 @@ def test_pp4_sequential_cnn_matches_one_process(four_ranks):
 
 
 @pytest.mark.timeout(300)
-def test_pp2_dp2_matches_one_process_on_the_global_batch(four_ranks):
-    assert [r["gpt_pp2_dp2"]["dp"] for r in four_ranks] == [0, 0, 1, 1]
-    _check_against(_reference("gpt", {}, replicas=2), four_ranks, "gpt_pp2_dp2")
+@pytest.mark.parametrize("name", ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_zb_zero1"])
+def test_pp2_dp2_matches_one_process_on_the_global_batch(four_ranks, name):
+    assert [r[name]["dp"] for r in four_ranks] == [0, 0, 1, 1]
+    _check_against(_reference("gpt", {}, replicas=2), four_ranks, name)
 
 
 @pytest.mark.timeout(300)
-def test_pp2_tp2_matches_one_process(four_ranks):
+@pytest.mark.parametrize("name", ["gpt_pp2_tp2", "gpt_pp2_tp2_zb_checkpointed"])
+def test_pp2_tp2_matches_one_process(four_ranks, name):
     # ranks (placement "cluster"): 0, 1 = stage 0 (tp 0, 1); 2, 3 = stage 1. Sharded weights are the tensor-parallel
     # tests' business; the losses over ten steps check that the stages and shards train as one model.
-    _check_against(_reference("gpt", {}), four_ranks, "gpt_pp2_tp2", weights=False)
+    _check_against(_reference("gpt", {}), four_ranks, name, weights=False)
 
 
 class _UnregisteredMetricGPT(_MetricGPT):

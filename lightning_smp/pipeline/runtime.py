@@ -7,12 +7,12 @@ a ``loss_fn(output, target)`` on the last, so a LightningModule's step does not 
 weights in sync (pytorch #51931). The schedules are the same family (schedule.py), and
 ``benchmarks/pipeline_bench.py`` measures this driver against torch's on the same split.
 
-Owns the schedule loop: the microbatch loop, forward and backward per action, and scaling the pipelined loss
-(× loss scale / (m × k)). It hands the rest to one object each: the step's gradients wait in `HeldGradients`
-until Lightning's backward call, `StageGradientReduction` reduces them, `Results` records the last stage's outputs,
-logs and metrics and replays them on every stage, and the `PipelineLayout` says which parameters this stage
-trains. Not owned: the plans (partition.py, schedule.py, layout.py), routing inside the trunk (stage.py),
-messages (p2p.py).
+Owns the schedule loop: the microbatch loop, forward and backward per action (a backward split in two where the
+plan has a W action for it, `split_backward`), and scaling the pipelined loss (× loss scale / (m × k)). It hands
+the rest to one object each: the step's gradients wait in `HeldGradients` until Lightning's backward call,
+`StageGradientReduction` reduces them, `Results` records the last stage's outputs, logs and metrics and replays
+them on every stage, and the `PipelineLayout` says which parameters this stage trains. Not owned: the plans
+(partition.py, schedule.py, layout.py), routing inside the trunk (stage.py), messages (p2p.py).
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ from lightning_smp.pipeline.p2p import NOTHING, Transport
 from lightning_smp.pipeline.partition import PartitionPlan, bytes_per_param
 from lightning_smp.pipeline.reduction import StageGradientReduction
 from lightning_smp.pipeline.results import Results, StepRecord
+from lightning_smp.pipeline.split_backward import BackwardSplitter, WeightGradients
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.placement import mark_norm_duplicate
 
@@ -94,7 +95,10 @@ class _Step:
     step: Callable[..., Any]
     training: bool
     factor: Tensor | float = 1.0
+    params: list[nn.Parameter] = field(default_factory=list)  # this stage's trained parameters
+    splitter: BackwardSplitter | None = None  # when the plan splits backwards
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
+    weights: dict[tuple[int, int], WeightGradients] = field(default_factory=dict)  # W passes not run yet
     record: StepRecord = field(default_factory=StepRecord)
 
 
@@ -176,8 +180,9 @@ class PipelineEngine:
         microbatches = split_batch(args[0], self._config.microbatches)
         divisor = len(microbatches) * grad_divisor
         factor = loss_scale / divisor if loss_scale is not None else 1.0 / divisor
-        state = _Step(microbatches, tuple(args[1:]), dict(kwargs), step, training=True, factor=factor)
-        with self._held.collect(self._trainable()):
+        params = self._trainable()
+        state = _Step(microbatches, tuple(args[1:]), dict(kwargs), step, training=True, factor=factor, params=params)
+        with self._held.collect(params):
             self._run(state)
         return self._share(state)
 
@@ -235,11 +240,16 @@ class PipelineEngine:
                 transport.expect(src=transport.peer(-1), tag=2 * (chunk - 1), count=len(state.microbatches))
         if not self._topology.is_last_stage:  # gloo moves a message only once its receive is posted
             transport.expect(src=self._topology.ranks("pp")[-1], tag=self._result_tag(state.training), count=1)
+        split = {(a.microbatch, a.chunk) for a in plan if a.kind == schedules.WEIGHT}
+        if split:
+            state.splitter = BackwardSplitter(state.params)
         for action in plan:
-            if action.forward:
+            if action.kind == schedules.FORWARD:
                 self._forward(action, state, transport)
+            elif action.kind == schedules.BACKWARD:
+                self._backward(action, state, transport, split=(action.microbatch, action.chunk) in split)
             else:
-                self._backward(action, state, transport)
+                self._weight(action, state)
         transport.wait_sends()
 
     def _forward(self, action: schedules.Action, state: _Step, transport: Transport) -> None:
@@ -279,18 +289,31 @@ class PipelineEngine:
             grads = transport.post_grads(sent, src=transport.peer(1), tag=2 * chunk + 1)
             state.live[(index, chunk)] = _Live(leaves, outputs=sent, grads=grads)
 
-    def _backward(self, action: schedules.Action, state: _Step, transport: Transport) -> None:
+    def _backward(self, action: schedules.Action, state: _Step, transport: Transport, *, split: bool) -> None:
+        """The backward of one microbatch through one chunk; ``split``: only its input gradient, its weight
+        gradients kept for the plan's W action (`split_backward`)."""
         chunk = action.chunk
         live = state.live.pop((action.microbatch, chunk))
+        outputs: list[Tensor] = []
+        grads: list[Tensor | None] = []
         if chunk == self.plan.num_chunks - 1:
             if live.loss is not None and live.loss.requires_grad:
-                torch.autograd.backward(live.loss.float() * state.factor)
+                outputs, grads = [live.loss.float() * state.factor], [None]
         else:
-            grads = transport.wait_grads(live.grads)
+            received = transport.wait_grads(live.grads)
             if live.outputs:
-                torch.autograd.backward(live.outputs, grads)
+                outputs, grads = live.outputs, received
+        if split:
+            assert state.splitter is not None
+            state.weights[(action.microbatch, chunk)] = state.splitter.backward_input(outputs, grads, live.leaves)
+        elif outputs:
+            torch.autograd.backward(outputs, grads)
         if chunk > 0:
             transport.send_grads(live.leaves, dst=transport.peer(-1), tag=2 * (chunk - 1) + 1)
+
+    def _weight(self, action: schedules.Action, state: _Step) -> None:
+        """The weight gradients of a backward that ran split (a zero-bubble plan's W action)."""
+        state.weights.pop((action.microbatch, action.chunk))()
 
     def _share(self, state: _Step) -> Any:
         """The last stage's merged output and reduced ``self.log`` calls, on every stage; the logs replayed.

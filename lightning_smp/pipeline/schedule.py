@@ -49,10 +49,6 @@ class Action:
     microbatch: int
     chunk: int = 0
 
-    def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD, WEIGHT):
-            raise ValueError(f"an action's kind is one of {(FORWARD, BACKWARD, WEIGHT)}, got {self.kind!r}")
-
     @property
     def forward(self) -> bool:
         return self.kind == FORWARD
