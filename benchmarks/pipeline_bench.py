@@ -16,9 +16,13 @@ into m microbatches (m = ``--microbatches``, default 2, 4, 8). Per m, the second
   microbatches=m, pipeline="interleaved" | "simple")`` (GPipe with ``active_microbatches=m``), Lightning's
   loop, hooks and the optimizer step included; timed from one ``on_train_batch_start`` to the next;
   ``smp_virtual2`` the same with ``virtual_stages=2`` (two chunks per rank: its ideal bubble is half, so it can
-  exceed 1.0 of the plain ideal, at twice the messages);
+  exceed 1.0 of the plain ideal, at twice the messages); ``smp_zb`` with ``pipeline="zero_bubble"`` (ZB-H1: each
+  backward split into input and weight gradients, the weight gradients filling the bubble: a third of 1F1B's);
 - ``torch_gpipe`` / ``torch_1f1b``: ``torch.distributed.pipelining`` (PipelineStage, ScheduleGPipe /
-  Schedule1F1B) on the same two halves, gloo, the same optimizer step.
+  Schedule1F1B) on the same two halves, gloo, the same optimizer step; ``torch_zb``:
+  ``ScheduleInterleavedZeroBubble`` with one stage per rank (ZB-H1's shape) on the same halves; ``torch_zbv``:
+  ``ScheduleZBVZeroBubble``, the blocks cut into four chunks, two per rank in a V (rank 0 holds the first and the
+  last, so the loss is on rank 0).
 
 Each is the median step time over ``--steps`` steps after ``--warmup``, the best of ``--rounds`` rounds (rounds
 run the kinds in turn, so drift of a shared machine hits them alike). Printed: step times, speed-ups over
@@ -47,6 +51,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 STAGES = 2
+PIPELINES = ("smp_1f1b", "smp_gpipe", "smp_virtual2", "smp_zb", "torch_1f1b", "torch_gpipe", "torch_zb", "torch_zbv")
+"""The pipelines each round times (see the module docstring)."""
 
 
 def _model(width: int, blocks: int) -> nn.Sequential:
@@ -159,6 +165,7 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
         ("smp_1f1b", "interleaved", None, 1),
         ("smp_gpipe", "simple", "m", 1),
         ("smp_virtual2", "interleaved", None, 2),
+        ("smp_zb", "zero_bubble", None, 1),
     )
     for name, pipeline, active, virtual_stages in kinds:
         for m in args.microbatches:
@@ -178,25 +185,44 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
 
 def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
-    half = args.blocks // STAGES
-    module = _model(args.width, args.blocks)[rank * half : (rank + 1) * half]
-    optimizer = torch.optim.SGD(module.parameters(), lr=1e-4)
+    model = _model(args.width, args.blocks)
+    half, quarter = args.blocks // STAGES, args.blocks // (2 * STAGES)
+    module = model[rank * half : (rank + 1) * half]
+    # ZB-V: four chunks in a V, rank 0 holding chunks 0 and 3, rank 1 chunks 1 and 2
+    v_chunks = (rank, 2 * STAGES - 1 - rank)
+    v_modules = [model[c * quarter : (c + 1) * quarter] for c in v_chunks]
     x, y = _data(args)
+    device = torch.device("cpu")
     result = {}
-    for name, schedule_class in (("torch_gpipe", ScheduleGPipe), ("torch_1f1b", Schedule1F1B)):
+    for name in ("torch_gpipe", "torch_1f1b", "torch_zb", "torch_zbv"):
+        held = v_modules if name == "torch_zbv" else [module]
+        optimizer = torch.optim.SGD([p for m in held for p in m.parameters()], lr=1e-4)
         for m in args.microbatches:
-            stage = PipelineStage(module, rank, STAGES, torch.device("cpu"))
-            schedule = schedule_class(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
-
-            def step(schedule: Any = schedule) -> None:
-                optimizer.zero_grad()
-                if rank == 0:
-                    schedule.step(x)
+            if name == "torch_zbv":
+                stages = [PipelineStage(v, c, 2 * STAGES, device) for v, c in zip(v_modules, v_chunks, strict=True)]
+                schedule = ScheduleZBVZeroBubble(stages, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+                first, last = rank == 0, rank == 0  # the V: rank 0 holds the first and the last chunk
+            else:
+                stage = PipelineStage(module, rank, STAGES, device)
+                if name == "torch_zb":
+                    schedule = ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=nn.functional.mse_loss)
                 else:
-                    schedule.step(target=y)
+                    make = ScheduleGPipe if name == "torch_gpipe" else Schedule1F1B
+                    schedule = make(stage, n_microbatches=m, loss_fn=nn.functional.mse_loss)
+                first, last = rank == 0, rank == STAGES - 1
+
+            def step(schedule: Any = schedule, first: bool = first, last: bool = last, optimizer: Any = optimizer):
+                optimizer.zero_grad()
+                schedule.step(*([x] if first else []), **({"target": y} if last else {}))
                 optimizer.step()
 
             result[(name, m)] = _time_steps(step, args)
@@ -294,7 +320,7 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def report(best: dict, args: argparse.Namespace) -> dict:
-    pipelines = ("smp_1f1b", "smp_gpipe", "smp_virtual2", "torch_1f1b", "torch_gpipe")
+    pipelines = PIPELINES
     rows = []
     for m in args.microbatches:
         single, half = best[("single", m)], best[("half", m)]
@@ -306,6 +332,8 @@ def report(best: dict, args: argparse.Namespace) -> dict:
             row[f"{name}_s"] = best[(name, m)]
             row[f"{name}_speedup"] = speedup
             row[f"{name}_of_ideal"] = speedup / ideal
+        row["smp_zb_over_smp_1f1b"] = best[("smp_zb", m)] / best[("smp_1f1b", m)]
+        row["smp_zb_over_torch_zb"] = best[("smp_zb", m)] / best[("torch_zb", m)]
         rows.append(row)
     header = f"{'m':>3} {'single ms':>10} {'B':>5} {'ideal':>6} " + " ".join(f"{n:>18}" for n in pipelines)
     print(header)
@@ -316,6 +344,11 @@ def report(best: dict, args: argparse.Namespace) -> dict:
         first = f"{row['microbatches']:>3} {row['single_s'] * 1e3:10.1f} {row['B']:5.2f} {row['ideal_speedup']:6.2f}"
         print(f"{first} {cells}")
     print("(each pipeline: step time, fraction of the ideal speed-up / speed-up over `single`)")
+    for row in rows:
+        print(
+            f"m={row['microbatches']}: smp_zb step / smp_1f1b step = {row['smp_zb_over_smp_1f1b']:.3f}, "
+            f"/ torch_zb step = {row['smp_zb_over_torch_zb']:.3f}"
+        )
     return record(rows, args)
 
 

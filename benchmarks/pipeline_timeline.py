@@ -9,7 +9,12 @@ an activation, or on a stage before the last for the step's result, inside ``sha
 gradients); sends and posted receives (``post_receive``: an activation's or the result's, ``post_grads``) show
 what a message costs the caller.
 
+With ``--pipeline zero_bubble`` the weight-gradient actions show as W, and the lanes drawn after the step (one
+character per slice of the step: F, B, W for the actions, ``.`` for a rank waiting) show where they run: in the
+time 1F1B leaves idle.
+
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline interleaved
+    python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline zero_bubble
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline simple --active-microbatches 8  # bench's GPipe
 """
 
@@ -31,6 +36,7 @@ _WRAPPED = (
     (runtime.PipelineEngine, "training_step", "STEP"),
     (runtime.PipelineEngine, "_forward", "F"),
     (runtime.PipelineEngine, "_backward", "B"),
+    (runtime.PipelineEngine, "_weight", "W"),
     (p2p.Transport, "send_activation", "send_activation"),
     (p2p.Transport, "send_grads", "send_grads"),
     (p2p.Transport, "recv_activation", "recv_activation"),
@@ -83,6 +89,8 @@ def report(per_rank: dict[int, list], args: argparse.Namespace) -> None:
             f"{label}{'' if mb is None else mb}[{1e3 * (a - t0):.1f}+{1e3 * (b - a):.1f}]" for label, a, b, mb in shown
         ]
         print(f"rank {rank}: " + " ".join(cells))
+    for rank, lane in lanes(per_rank, t0, t1, width=args.lane_width).items():
+        print(f"rank {rank} |{lane}|")
     print(f"mean ms per step over steps {args.warmup}..{args.steps - 2}:")
     for rank, events in sorted(per_rank.items()):
         begin, end = steps[rank][args.warmup][1], steps[rank][-1][1]
@@ -96,13 +104,38 @@ def report(per_rank: dict[int, list], args: argparse.Namespace) -> None:
         print(f"rank {rank}: step={1e3 * step_ms:.2f} {cells}")
 
 
+def lanes(per_rank: dict[int, list], start: float, end: float, *, width: int) -> dict[int, str]:
+    """Each rank's compute in [start, end) as a lane of ``width`` characters: the kind of action (F, B, W) that
+    computes for most of each slice, ``.`` where the rank waits (between actions, or inside one for a message: the
+    bubble, or a message's cost)."""
+    drawn = {}
+    slice_s = (end - start) / width
+    for rank, events in sorted(per_rank.items()):
+        covered = [dict.fromkeys("FBW.", 0.0) for _ in range(width)]
+        for label, a, b, _ in events:
+            kind = {"recv_activation": ".", "wait_grads": "."}.get(label, label)
+            if kind not in covered[0] or b <= start or a >= end:
+                continue
+            first, last = int((max(a, start) - start) / slice_s), int((min(b, end) - start) / slice_s)
+            for index in range(first, min(last, width - 1) + 1):
+                low, high = start + index * slice_s, start + (index + 1) * slice_s
+                covered[index][kind] += max(0.0, min(b, high) - max(a, low))
+        cells = []
+        for cell in covered:
+            waiting = cell.pop(".")  # a wait inside an action: not compute
+            kind = max(cell, key=cell.get)
+            cells.append(kind if cell[kind] - waiting > slice_s / 2 else ".")
+        drawn[rank] = "".join(cells)
+    return drawn
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--microbatches", type=int, default=8)
-    parser.add_argument("--pipeline", default="interleaved", choices=("interleaved", "simple"))
+    parser.add_argument("--pipeline", default="interleaved", choices=("interleaved", "simple", "zero_bubble"))
     parser.add_argument(
         "--active-microbatches",
         type=int,
@@ -112,6 +145,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--show", type=int, default=10, help="the step printed action by action")
+    parser.add_argument("--lane-width", type=int, default=100, help="characters per rank in the drawn lanes")
     parser.add_argument("--timeout", type=float, default=600.0)
     args = parser.parse_args()
     if not args.warmup <= args.show < args.steps - 1:

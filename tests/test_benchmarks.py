@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.pipeline_bench import PIPELINES
+
 _REPO = Path(__file__).resolve().parents[1]
 
 
@@ -49,7 +51,7 @@ def test_pipeline_bench_reports_every_pipeline_against_the_ideal(tmp_path: Path)
     (row,) = result["rows"]
     assert row["microbatches"] == 2
     assert _positive(row["B"]) and _positive(row["ideal_speedup"])
-    for kind in ("smp_1f1b", "smp_gpipe", "smp_virtual2", "torch_1f1b", "torch_gpipe"):
+    for kind in PIPELINES:
         assert _positive(row[f"{kind}_s"]) and _positive(row[f"{kind}_of_ideal"]), kind
 
 
@@ -71,6 +73,17 @@ def test_pipeline_timeline_prints_both_ranks_actions() -> None:
     for rank in (0, 1):
         assert f"rank {rank}: step=" in stdout
     assert "F0[" in stdout and "B0[" in stdout
+
+
+def test_pipeline_timeline_draws_the_weight_gradients_of_zero_bubble() -> None:
+    stdout = _run(
+        "pipeline_timeline.py",
+        *("--width", "16", "--batch", "32", "--steps", "8", "--warmup", "2", "--show", "4"),
+        *("--pipeline", "zero_bubble", "--lane-width", "40"),
+    )
+    assert "W0[" in stdout  # the last stage holds its weight gradients back
+    last_lane = next(line for line in stdout.splitlines() if line.startswith("rank 1 |"))
+    assert len(last_lane) == len("rank 1 |") + 40 + 1 and set(last_lane[8:-1]) <= set("FBW.")
 
 
 def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:
