@@ -100,6 +100,7 @@ class _Step:
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGradients] = field(default_factory=dict)  # W passes not run yet
     record: StepRecord = field(default_factory=StepRecord)
+    package: tuple | None = None  # the step's result, as the last stage sent it
 
 
 class PipelineEngine:
@@ -195,9 +196,9 @@ class PipelineEngine:
 
     def settle(self) -> None:
         """At the end of a training or evaluation loop: wait for this stage's last sends and meet the other
-        stages. A step's result sends otherwise complete during the next step; after the last one the last stage
-        could leave ``fit`` and exit, closing its connections before the earlier stages have received that step's
-        result (gloo: "Connection closed by peer" on their side)."""
+        stages. A completed send has left this process, not necessarily reached its receiver: after the last step
+        the last stage could leave ``fit`` and exit, closing its connections before the earlier stages have received
+        that step's result (gloo: "Connection closed by peer" on their side)."""
         if self._transport is not None:
             self._transport.wait_sends()
         dist.barrier(group=self._topology.group("pp"))
@@ -274,6 +275,8 @@ class PipelineEngine:
                     "the trunk. The step must run the trunk for every microbatch, or for none."
                 )
             state.record.add(index, output, capture)  # the loss keeps its graph in `live` until its backward
+            if len(state.record.outputs) == len(state.microbatches):
+                self._send_results(state, transport)
             if state.training:
                 state.live[(index, chunk)] = _Live(leaves, loss=_loss_of(output))
             return
@@ -315,21 +318,24 @@ class PipelineEngine:
         """The weight gradients of a backward that ran split (a zero-bubble plan's W action)."""
         state.weights.pop((action.microbatch, action.chunk))()
 
-    def _share(self, state: _Step) -> Any:
-        """The last stage's merged output and reduced ``self.log`` calls, on every stage; the logs replayed.
+    def _send_results(self, state: _Step, transport: Transport) -> None:
+        """On the last stage, once its last microbatch's forward is done: send the step's result (the merged output,
+        the reduced ``self.log`` calls, the metrics) to the other stages, without waiting. They receive it once
+        their own last backward is done, while this stage runs its last backwards (and held weight gradients):
+        neither waits for the other's tail. A collective would hold each stage until the slowest's end."""
+        state.package = self._results.pack(state.record)
+        for rank in self._topology.ranks("pp")[:-1]:
+            transport.send_activation(state.package, dst=rank, tag=self._result_tag(state.training))
 
-        The last stage sends them without waiting (the sends complete during the next step), so it goes on to its
-        optimizer step while the earlier stages finish their last backwards; they receive the result once those
-        are done. A collective here would hold the last stage until the first one's last backward."""
-        transport = self._transport_()
-        stages = self._topology.ranks("pp")
-        tag = self._result_tag(state.training)
-        if self._topology.is_last_stage:
-            package = self._results.pack(state.record)
-            for rank in stages[:-1]:
-                transport.send_activation(package, dst=rank, tag=tag)
-        else:
-            package, _ = transport.recv_activation(src=stages[-1], requires_grad=False, tag=tag)
+    def _share(self, state: _Step) -> Any:
+        """The last stage's merged output, on every stage; its ``self.log`` calls and metrics replayed."""
+        package = state.package
+        if not self._topology.is_last_stage:
+            last = self._topology.ranks("pp")[-1]
+            package, _ = self._transport_().recv_activation(
+                src=last, requires_grad=False, tag=self._result_tag(state.training)
+            )
+        assert package is not None  # the last stage sent it after its last forward
         return self._results.replay(package, updated_here=self._topology.is_last_stage)
 
     def _result_tag(self, training: bool) -> int:
