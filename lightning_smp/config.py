@@ -250,7 +250,7 @@ class SMPConfig:
     """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
     one component) mapped to a style: colwise, rowwise, colwise_gather_output (= colwise_rep), rowwise_split_input
     (= rowwise_rep), packed_colwise, embedding_rowwise (= vocab), replicated_with_grad_allreduce, auto or replicate
-    (Hugging Face transformers' names; docs/concepts.md, "Plan styles", says what each does), for example
+    (Hugging Face transformers' names; docs/tensor-parallelism.md, "Plan styles", says what each does), for example
     ``{"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}``; stored read-only. Applies on top of
     ``smp.tensor_parallelism()`` and of the plan of a Hugging Face transformers model created tensor-parallel
     (``model.tp_plan``), whose entries for the same modules it overrides; a pattern that matches no module raises

@@ -154,7 +154,8 @@ _FIXES = {
     "pipelined run that failed part-way; a new run in the same process cannot pick up its messages.",
     "attn_mask": "Pass an attention mask of shape (T, S) or (B * num_heads, T, S), as `nn.MultiheadAttention` takes.",
     "query has embedding dim": "Feed the attention layer inputs of the `embed_dim` it was built with.",
-    "is not a style": "Use one of the styles the message suggests; docs/concepts.md (Plan styles) says what each does.",
+    "is not a style": "Use one of the styles the message suggests; docs/tensor-parallelism.md (Plan styles) says "
+    "what each does.",
     "unknown tensor-parallelism option": "Remove the option or correct its name as the message suggests.",
     "matches no module of the model": "Correct the pattern (dotted module path, `*` matches one component) so that "
     "it names a module of the LightningModule; the message lists close names.",

@@ -305,7 +305,7 @@ def test_bert_encoder_layers_split_by_the_built_in_plan():
     ]
 
 
-def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the_concepts():
+def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the_tensor_parallelism_page():
     from pathlib import Path
 
     from lightning_smp.config import TENSOR_PARALLEL_STYLES
@@ -314,10 +314,10 @@ def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the
     reference = next(
         line for line in (docs / "configuration.md").read_text().splitlines() if "tensor_parallel_plan" in line
     )
-    concepts = (docs / "concepts.md").read_text()
+    concepts = (docs / "tensor-parallelism.md").read_text()
     for style in TENSOR_PARALLEL_STYLES:
         assert style in reference, style
-        assert f"`{style}`" in concepts.partition("### Plan styles")[2].partition("###")[0], style
+        assert f"`{style}`" in concepts.partition("## Plan styles")[2].partition("\n## ")[0], style
 
 
 def test_set_tensor_parallelism_marks_a_model_built_outside_the_context():
