@@ -447,6 +447,24 @@ class SMPConfig:
         return cls(**params)
 
     @classmethod
+    def of(cls, config: SMPConfig | Mapping[str, Any] | None) -> SMPConfig:
+        """``config`` as an `SMPConfig`: itself, the defaults for None, or built from a mapping of `SMPStrategy`
+        keyword arguments (``smp_options``, SageMaker's dict, among them) as `from_sources` builds it. What the
+        memory planner and ``smp.preview`` take, so that they read a config as the strategy does."""
+        if config is None:
+            return cls()
+        if isinstance(config, SMPConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(
+                f"config={type(config).__name__} is neither an SMPConfig nor a mapping of SMPStrategy keyword "
+                "arguments; pass e.g. config={'pipeline_parallel_degree': 2, 'fp16': True}."
+            )
+        kwargs = dict(config)
+        smp_options = kwargs.pop("smp_options", None)
+        return cls.from_sources(kwargs, smp_options=smp_options)
+
+    @classmethod
     def from_sources(
         cls,
         kwargs: Mapping[str, Any],

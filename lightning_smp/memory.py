@@ -217,7 +217,7 @@ def estimate_memory(
     ``device_memory`` (bytes, or text such as ``"40GiB"``) adds the verdict whether the largest rank fits.
     With ``micro_batch_size`` and ``sequence_length`` the activations of the transformer layers are estimated.
     """
-    config = _as_config(config)
+    config = SMPConfig.of(config)
     world_size = config.model_parallel_degree if world_size is None else world_size
     dp = config.data_parallel_degree(world_size)
     layout = Layout(
@@ -249,7 +249,7 @@ def fitting_layouts(
     function of the tensor-parallel degree that builds the model, for models whose construction reads it
     (``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``). Layouts the model cannot take (a trunk with
     fewer children than stages, a plan that does not divide) are left out."""
-    base = _as_config(config)
+    base = SMPConfig.of(config)
     memory = _as_bytes(device_memory)
     built: dict[int, nn.Module] = {}
     found = []
@@ -595,21 +595,6 @@ def _layouts(devices: int) -> list[Layout]:
         for tp in range(1, devices // pp + 1)
         if devices % (pp * tp) == 0
     ]
-
-
-def _as_config(config: SMPConfig | Mapping[str, Any] | None) -> SMPConfig:
-    if config is None:
-        return SMPConfig()
-    if isinstance(config, SMPConfig):
-        return config
-    if not isinstance(config, Mapping):
-        raise ValueError(
-            f"config={type(config).__name__} is neither an SMPConfig nor a mapping of SMPStrategy keyword "
-            "arguments; pass e.g. config={'pipeline_parallel_degree': 2, 'fp16': True}."
-        )
-    kwargs = dict(config)
-    smp_options = kwargs.pop("smp_options", None)
-    return SMPConfig.from_sources(kwargs, smp_options=smp_options)
 
 
 def _as_bytes(memory: int | str | None) -> int | None:
