@@ -1,14 +1,19 @@
-"""The built site: ``mkdocs build --strict`` passes, and every public name has an API page.
+"""The built site: ``mkdocs build --strict`` passes, every public name has an API page, and every picture is
+drawn by a command in the repository and shown on a page.
 
 The site is built once per session (a few seconds; mkdocstrings reads the package's docstrings). The public names
 are ``lightning_smp.__all__``, ``lightning_smp.smp.__all__`` and every name the README's API section shows in
 backticks that resolves to one of them; each must have its anchor on an API page (mkdocstrings gives every
-rendered object an ``id`` equal to its dotted path).
+rendered object an ``id`` equal to its dotted path). The pictures are ``scripts/pictures.py``'s: each of its files
+must be in docs/images/ and shown by a page, every picture a page shows must be one of them, and the cheap ones are
+drawn again here; the expensive ones (measured runs) run a few steps, to show that their commands still work.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -85,3 +90,98 @@ def test_every_public_name_has_an_api_page(site: Path) -> None:
         names[token] = f"lightning_smp.{token}"
     missing = sorted(name for name, anchor in names.items() if anchor not in anchors)
     assert not missing, f"no API page renders {missing}: add them to a page under docs/api/ (`::: lightning_smp.X`)"
+
+
+# -- pictures -------------------------------------------------------------------------------------------------
+
+_IMAGE = re.compile(r"!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _pictures_module() -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location("pictures", _ROOT / "scripts" / "pictures.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+pictures = _pictures_module()
+
+
+def _shown_pictures() -> dict[str, list[str]]:
+    """Each picture file the docs pages show, with the pages that show it."""
+    shown: dict[str, list[str]] = {}
+    for page in sorted((_ROOT / "docs").rglob("*.md")):
+        for target in _IMAGE.findall(page.read_text(encoding="utf-8")):
+            file = (page.parent / target).resolve()
+            shown.setdefault(file.relative_to(pictures.IMAGES).as_posix(), []).append(page.name)
+    return shown
+
+
+def test_every_picture_is_drawn_by_a_command_and_shown_on_a_page(site: Path) -> None:
+    drawn = {file for picture in pictures.PICTURES.values() for file in picture.files}
+    shown = _shown_pictures()
+    missing = sorted(file for file in drawn if not (pictures.IMAGES / file).is_file())
+    assert not missing, f"draw them with `python scripts/pictures.py`: {missing}"
+    assert not drawn - shown.keys(), f"no page shows {sorted(drawn - shown.keys())}"
+    assert not shown.keys() - drawn, f"pictures that no command in scripts/pictures.py draws: {shown.keys() - drawn}"
+    for file in drawn:
+        assert (site / "images" / file).is_file(), file  # the site carries it
+
+
+def test_every_pipeline_schedule_has_its_picture() -> None:
+    from lightning_smp import config
+
+    assert set(pictures.PIPELINES) == set(config._PIPELINES), "add the new pipeline value to scripts/pictures.py"
+
+
+def test_the_cheap_pictures_are_drawn_again(tmp_path: Path) -> None:
+    for name, picture in pictures.PICTURES.items():
+        if picture.cheap:
+            picture.draw(tmp_path)
+            for file in picture.files:
+                assert (tmp_path / file).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", (name, file)
+
+
+@pytest.mark.timeout(300)
+def test_the_loss_scale_picture_still_draws_from_a_short_run(tmp_path: Path) -> None:
+    pictures.draw_loss_scale(tmp_path, max_steps=3)
+    assert (tmp_path / "fp16_loss_scale.png").stat().st_size > 0
+
+
+def _timeline_render() -> types.ModuleType:
+    sys.path.insert(0, str(_ROOT / "benchmarks"))
+    try:
+        import timeline_render
+    finally:
+        sys.path.remove(str(_ROOT / "benchmarks"))
+    return timeline_render
+
+
+def test_a_timeline_becomes_a_perfetto_trace_and_a_picture(tmp_path: Path) -> None:
+    """benchmarks/timeline_render.py on the events pipeline_timeline.py records (tests/test_benchmarks.py runs the
+    script itself with --trace and --plot): two steps of two ranks, the second stage waiting for the first."""
+    render = _timeline_render()
+    events = {
+        0: [("F", 0.000, 0.010, 0), ("F", 0.010, 0.020, 1), ("B", 0.030, 0.040, 0), ("B", 0.040, 0.050, 1)],
+        1: [("recv_activation", 0.001, 0.010, None), ("F", 0.001, 0.015, 0), ("B", 0.015, 0.025, 0)],
+    }
+    for rank, step_start in ((0, 0.0), (1, 0.001)):
+        events[rank] += [("STEP", step_start, step_start + 0.055, None), ("STEP", step_start + 0.06, 0.1, None)]
+    render.write_chrome_trace(events, tmp_path / "trace.json")
+    trace = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    slices = {(e["tid"], e["name"]): e for e in trace if e["ph"] == "X"}
+    assert slices[(0, "F1")] == {
+        "name": "F1",
+        "cat": "forward",
+        "ph": "X",
+        "ts": 10000.0,
+        "dur": 10000.0,
+        "pid": 0,
+        "tid": 0,
+    }
+    assert slices[(1, "recv_activation")]["cat"] == "wait" and slices[(1, "B0")]["cat"] == "backward"
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"rank 0", "rank 1"}
+    render.plot_step(events, tmp_path / "step.png", step=0, title="test")
+    assert (tmp_path / "step.png").read_bytes()[:4] == b"\x89PNG"
