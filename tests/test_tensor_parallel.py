@@ -171,13 +171,20 @@ class _Record(Callback):
 
 
 def _fit(
-    rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: str | None = None, validate: bool = False
+    rank: int,
+    model: pl.LightningModule,
+    strategy_kwargs: dict,
+    *,
+    warns: str | None = None,
+    validate: bool = False,
+    accumulate: int = 1,
 ) -> dict:
     recorder = _Record(gradients=not strategy_kwargs.get("fp16"))
     trainer = quiet_trainer(
         SMPStrategy(**strategy_kwargs),
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
         callbacks=[recorder],
         num_sanity_val_steps=0,
         check_val_every_n_epoch=2,  # validation runs once, after fit (a second setup of the split model)
@@ -224,6 +231,9 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
         if everything:
             results[f"gpt_fp16_{key}"] = _fit(rank, _TinyGPT(batch), {**FP16, **degree}, warns=warning)
             results[f"mlp_{key}"] = _fit(rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN})
+            results[f"mlp_accumulated_{key}"] = _fit(
+                rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN}, accumulate=2
+            )
             results[f"vocab_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), degree)
     return results
 
@@ -301,6 +311,17 @@ def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
     _assert_matches(runs, launch(1)[0]["mlp_tp1_dp1"])
     expected = [f"blocks.{i}.{name}" for i in range(2) for name in ("fc.bias", "fc.weight", "proj.weight")]
     assert runs[0]["sharded"] == expected
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_over_two_batches_at_tp2_matches_one_process():
+    reference = launch(1)[0]["mlp_accumulated_tp1_dp1"]
+    assert len(reference["losses"]) == 2 * len(reference["grads"]) == 2 * STEPS  # two batches per optimizer step
+    runs = [rank["mlp_accumulated_tp2_dp1"] for rank in launch(2)]
+    for run in runs:
+        assert run["losses"] == pytest.approx(reference["losses"], rel=FP32_REL)
+    for step, (grads, expected) in enumerate(zip(runs[0]["grads"], reference["grads"], strict=True)):
+        assert_tensors_close(grads, expected, rtol=1e-4, atol=1e-6, label=f"step {step}")
 
 
 @pytest.mark.timeout(300)
