@@ -1,5 +1,6 @@
-"""The built site: ``mkdocs build --strict`` passes, every public name has an API page, and every picture is
-drawn by a command in the repository and shown on a page.
+"""The built site: ``mkdocs build --strict`` passes, every public name has an API page, every picture is drawn by
+a command in the repository and shown on a page, and every test a page cites exists (each row of the comparison
+page cites one).
 
 The site is built once per session (a few seconds; mkdocstrings reads the package's docstrings). The public names
 are ``lightning_smp.__all__``, ``lightning_smp.smp.__all__`` and every name the README's API section shows in
@@ -11,6 +12,7 @@ drawn again here; the expensive ones (measured runs) run a few steps, to show th
 
 from __future__ import annotations
 
+import ast
 import enum
 import importlib.util
 import json
@@ -90,6 +92,35 @@ def test_every_public_name_has_an_api_page(site: Path) -> None:
         names[token] = f"lightning_smp.{token}"
     missing = sorted(name for name, anchor in names.items() if anchor not in anchors)
     assert not missing, f"no API page renders {missing}: add them to a page under docs/api/ (`::: lightning_smp.X`)"
+
+
+# -- citations ------------------------------------------------------------------------------------------------
+
+_TEST_CITED = re.compile(r"`(tests/test_\w+\.py)::(\w+)`")
+_BENCHMARK_CITED = re.compile(r"`(benchmarks/\w+\.py)`")
+
+
+def _test_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return {node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")}
+
+
+@pytest.mark.parametrize("page", sorted(p.relative_to(_ROOT).as_posix() for p in (_ROOT / "docs").rglob("*.md")))
+def test_every_test_and_benchmark_a_page_cites_exists(page: str) -> None:
+    text = (_ROOT / page).read_text(encoding="utf-8")
+    missing = [f"{file}::{name}" for file, name in _TEST_CITED.findall(text) if name not in _test_names(_ROOT / file)]
+    missing += [file for file in _BENCHMARK_CITED.findall(text) if not (_ROOT / file).is_file()]
+    assert not missing, f"{page} cites tests or benchmarks that do not exist: {missing}"
+
+
+def test_every_row_of_the_comparison_cites_a_test_or_a_benchmark() -> None:
+    lines = (_ROOT / "docs" / "comparison.md").read_text(encoding="utf-8").splitlines()
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith(("| |", "| ---"))]
+    assert len(rows) >= 15
+    uncited = [
+        row.split("|")[1].strip() for row in rows if not (_TEST_CITED.search(row) or _BENCHMARK_CITED.search(row))
+    ]
+    assert not uncited, f"these rows of docs/comparison.md cite no test or benchmark: {uncited}"
 
 
 # -- pictures -------------------------------------------------------------------------------------------------
