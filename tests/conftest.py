@@ -3,7 +3,9 @@
 Lightning writes ``MASTER_ADDR`` and ``MASTER_PORT`` into this process's environment when a strategy sets up its
 process group, and that one-rank group keeps listening on the port after ``fit``. A benchmark or CLI job a later
 test starts inherits the variables and fails to bind the same port (EADDRINUSE). Each test therefore gets the
-launch variables back as they were before it ran.
+launch variables back as they were before it ran. The same goes for the seed Lightning's ``seed_everything``
+(a CLI fit) writes as ``PL_GLOBAL_SEED``: a rank launched later would re-seed from it when its strategy sets up,
+and build a model other than the single-process reference it is compared with.
 """
 
 import os
@@ -11,7 +13,10 @@ from collections.abc import Iterator
 
 import pytest
 
-_LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK")
+_LAUNCH_VARIABLES = (
+    *("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"),
+    *("PL_GLOBAL_SEED", "PL_SEED_WORKERS"),
+)
 
 
 @pytest.fixture(autouse=True)

@@ -187,6 +187,7 @@ def test_estimate_prints_the_configured_layout_and_the_layouts_that_fit(
 
 def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(_ROOT)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     with pytest.raises(SystemExit):
         cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml"), "--devices", "4"])
     assert "--devices lists the layouts that fit a device: give --device-memory too" in capsys.readouterr().err
@@ -196,3 +197,4 @@ def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys
     cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml")])
     out = capsys.readouterr().out
     assert "pp=1 x tp=2 x dp=1" in out and "not estimated: give micro_batch_size and sequence_length" in out
+    assert "PL_GLOBAL_SEED" not in os.environ  # a plan seeds nothing: processes started later build their own
