@@ -1,4 +1,5 @@
-"""The one launcher for multi-process tests: ``run_distributed`` starts the ranks, ``init_gloo`` joins them.
+"""The one launcher for multi-process tests: ``run_distributed`` starts the ranks, ``launch_once`` shares one launch
+between the tests that read it, ``init_gloo`` joins the ranks.
 
 Each rank is a fresh process forked from a fork server that imported torch, Lightning, transformers and this
 package once per test session (``_PRELOAD``): a rank starts in a fraction of a second instead of spending ~10 s of
@@ -22,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_gloo", "run_distributed"]
+__all__ = ["init_gloo", "launch_once", "run_distributed"]
 
 # What the fork server imports before it forks the first rank (each is imported by nearly every rank's target).
 # Nothing here may start a thread: the server forks, and a fork copies only the forking thread.
@@ -81,6 +82,26 @@ def run_distributed(
                 process.kill()
                 process.join()
         results_queue.close()
+
+
+_launched: dict[tuple, list | BaseException] = {}
+
+
+def launch_once(target: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0) -> list:
+    """``run_distributed(target, world_size, *args)`` once per test session: every test that asks for the same
+    launch reads the same records, so one ``target`` runs every check of a world size and each test asserts on its
+    part. A failed launch fails every test that asks for it, without launching again. ``args`` must have a stable
+    ``repr`` (they are part of the key)."""
+    key = (target.__module__, target.__qualname__, world_size, repr(args))
+    if key not in _launched:
+        try:
+            _launched[key] = run_distributed(target, world_size, *args, timeout=timeout)
+        except (Exception, pytest.fail.Exception) as error:
+            _launched[key] = error
+    outcome = _launched[key]
+    if isinstance(outcome, BaseException):
+        raise outcome
+    return outcome
 
 
 def init_gloo() -> None:

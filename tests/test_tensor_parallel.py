@@ -25,7 +25,7 @@ from torchmetrics import SumMetric
 
 from lightning_smp import SMPStrategy, smp
 from lightning_smp.tensor_parallel import gather_shards, shard_of
-from tests.distributed import init_gloo, run_distributed
+from tests.distributed import init_gloo, launch_once
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses
 
@@ -207,15 +207,10 @@ _SHARED_WEIGHT = r"keeps 1 module\(s\) whole.*tok \(Embedding\): its weight tok.
 
 def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
     """Every check of one launch; ``layouts`` are ``(tensor_parallel_degree, also fp16 / plan / vocab runs)``."""
-    from tests import test_tensor_parallel_layers as layers  # imports this module: import it late
-
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     if world > 1:
         init_gloo()  # the Trainers below find and keep this default group
-        results["layers"] = layers.check_layers()
-        results["dropout"] = layers.check_dropout()
-        results["checkpointed_dropout"] = layers.check_checkpointed_dropout()
     for tp, everything in layouts:
         dp = world // tp
         batch, key, degree = GLOBAL_BATCH // dp, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}
@@ -229,20 +224,11 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
 
 
 _LAYOUTS = {1: [(1, True)], 2: [(2, True)], 4: [(4, False), (2, False)]}
-_launched: dict[int, list[dict] | BaseException] = {}
 
 
 def launch(world: int) -> list[dict]:
-    """Every multi-process record of one world size, from one launch per test session (the first caller waits)."""
-    if world not in _launched:
-        try:
-            _launched[world] = run_distributed(_run_all, world, _LAYOUTS[world], timeout=240)
-        except BaseException as error:  # a failed launch fails every test that reads it, without relaunching
-            _launched[world] = error
-    outcome = _launched[world]
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
+    """Every record of one world size, from one launch per test session (the first caller waits)."""
+    return launch_once(_run_all, world, _LAYOUTS[world], timeout=240)
 
 
 def _assert_matches(runs: list[dict], reference: dict, *, rel: float = FP32_REL) -> None:
