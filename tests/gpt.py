@@ -1,17 +1,20 @@
 """A tiny GPT written as the smp docs tell users to write one, shared by the tests that train it under pipeline and
 tensor parallelism: layers built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=
 smp.tp_size() > 1)``, a ModuleList trunk for the pipeline, and a head tied to the token embedding. It has no
-training recipe: each test adds its own steps, optimizer and data.
+training recipe: each test adds its own steps, optimizer and data (`AdamWGPT` is the one recipe two test files
+share).
 """
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import smp
 
-__all__ = ["HEADS", "SEQ", "VOCAB", "WIDTH", "TinyGPT", "token_batches"]
+__all__ = ["HEADS", "SEQ", "VOCAB", "WIDTH", "AdamWGPT", "TinyGPT", "token_batches"]
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
 
@@ -63,3 +66,18 @@ class TinyGPT(pl.LightningModule):
         if self.vocab_parallel:
             return self.head.loss(self(ids), target)
         return F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())
+
+
+class AdamWGPT(TinyGPT):
+    """`TinyGPT` trained on 32 random sequences in batches of 8 with AdamW and a per-step StepLR, so that optimizer
+    state and the LR schedule cross a checkpoint."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8)
