@@ -19,20 +19,29 @@ __all__ = ["HEADS", "SEQ", "VOCAB", "WIDTH", "AdamWGPT", "TinyGPT", "token_batch
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
 
 
-def token_batches(seed: int, samples: int) -> tuple[Tensor, Tensor]:
+def token_batches(seed: int, samples: int, vocab: int = VOCAB) -> tuple[Tensor, Tensor]:
     """``samples`` random sequences as (inputs, next-token targets), each (samples, SEQ)."""
-    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, vocab, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
 
 
 class TinyGPT(pl.LightningModule):
     """Embeddings, two torch transformer layers (packed q/k/v: split in three blocks under tensor parallelism), a
     head tied to the token embedding; ``vocab_parallel`` uses smp.nn's vocabulary-parallel embedding and LM head.
-    The same weights on every rank and in every layout (seeded in `configure_model`)."""
+    The same weights on every rank and in every layout (seeded in `configure_model`).
 
-    def __init__(self, *, vocab_parallel: bool = False) -> None:
+    Args:
+        vocab: the vocabulary size.
+        ff: the width of each layer's feed-forward network.
+        activation: the feed-forward network's activation, as ``nn.TransformerEncoderLayer`` takes it.
+    """
+
+    def __init__(
+        self, *, vocab_parallel: bool = False, vocab: int = VOCAB, ff: int = 2 * WIDTH, activation: str = "relu"
+    ) -> None:
         super().__init__()
         self.vocab_parallel = vocab_parallel
+        self.vocab, self.ff, self.activation = vocab, ff, activation
         self.blocks: nn.ModuleList | None = None
 
     def configure_model(self) -> None:
@@ -41,15 +50,19 @@ class TinyGPT(pl.LightningModule):
         torch.manual_seed(0)
         embedding = smp.nn.DistributedEmbedding if self.vocab_parallel else nn.Embedding
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-            self.tok = embedding(VOCAB, WIDTH)
+            self.tok = embedding(self.vocab, WIDTH)
             self.pos = nn.Embedding(SEQ, WIDTH)
             self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+                nn.TransformerEncoderLayer(
+                    WIDTH, HEADS, self.ff, dropout=0.0, activation=self.activation, batch_first=True, norm_first=True
+                )
                 for _ in range(2)
             )
             self.norm = nn.LayerNorm(WIDTH)
             self.head = (
-                smp.nn.DistributedLMHead(WIDTH, VOCAB) if self.vocab_parallel else nn.Linear(WIDTH, VOCAB, bias=False)
+                smp.nn.DistributedLMHead(WIDTH, self.vocab)
+                if self.vocab_parallel
+                else nn.Linear(WIDTH, self.vocab, bias=False)
             )
         self.head.weight = self.tok.weight
 
