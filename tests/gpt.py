@@ -1,8 +1,11 @@
-"""A tiny GPT written as the smp docs tell users to write one, shared by the tests that train it under pipeline and
-tensor parallelism: layers built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=
-smp.tp_size() > 1)``, a ModuleList trunk for the pipeline, and a head tied to the token embedding. It has no
-training recipe: each test adds its own steps, optimizer and data (`AdamWGPT` is the one recipe two test files
-share).
+"""The tiny GPTs the tests train, in the two forms the package meets; each test adds its own steps, optimizer and
+data (`AdamWGPT` is the one recipe two test files share).
+
+`TinyGPT` is written as the smp docs tell users to write one: torch's ``nn.TransformerEncoderLayer`` blocks built
+in ``configure_model`` under ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``, a ModuleList trunk for
+the pipeline, and a head tied to the token embedding. `BlockGPT` is built at construction from
+`tests.models.TransformerBlock`, whose causal mask is a second positional argument (a pipeline does not send it
+between stages), with the head tied or not.
 """
 
 import lightning.pytorch as pl
@@ -13,10 +16,12 @@ from torch.optim.lr_scheduler import StepLR
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import smp
+from tests.models import TransformerBlock
 
-__all__ = ["HEADS", "SEQ", "VOCAB", "WIDTH", "AdamWGPT", "TinyGPT", "token_batches"]
+__all__ = ["BLOCKS", "HEADS", "SEQ", "VOCAB", "WIDTH", "AdamWGPT", "BlockGPT", "TinyGPT", "token_batches"]
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
+BLOCKS = 4  # BlockGPT's trunk: enough for four pipeline stages, or two of two virtual stages each
 
 
 def token_batches(seed: int, samples: int, vocab: int = VOCAB) -> tuple[Tensor, Tensor]:
@@ -94,3 +99,31 @@ class AdamWGPT(TinyGPT):
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8)
+
+
+class BlockGPT(pl.LightningModule):
+    """Token and position embeddings, a ModuleList trunk of `BLOCKS` `TransformerBlock`s (with ``dropout`` after
+    each MLP when it is > 0), a final norm and a head, tied to the token embedding unless ``tied=False``; built at
+    construction, from the global RNG."""
+
+    def __init__(self, *, tied: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(TransformerBlock(WIDTH, dropout=dropout) for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).triu(1)  # (T, T): True above the diagonal
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))  # (B, T, W)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))  # (B, T, VOCAB)
+
+    def loss(self, batch: Tensor) -> Tensor:
+        """The mean next-token cross entropy of a (B, SEQ + 1) token batch, in fp32."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
