@@ -1,4 +1,8 @@
-"""Keeps one test's in-process fit from leaking into the processes later tests launch.
+"""One CPU thread per process, and one test's in-process fit kept from leaking into the processes later tests launch.
+
+Every model here is tiny: a second torch thread buys nothing and, on two cores shared with the ranks and other
+jobs (load ~18), its OpenMP spin-waits made a 10-step single-device GPT run take 4.8 s of CPU instead of 0.11 s.
+The test process and everything it starts (ranks, CLI and example jobs, benchmarks) use one thread.
 
 Lightning writes ``MASTER_ADDR`` and ``MASTER_PORT`` into this process's environment when a strategy sets up its
 process group, and that one-rank group keeps listening on the port after ``fit``. A benchmark or CLI job a later
@@ -12,6 +16,10 @@ import os
 from collections.abc import Iterator
 
 import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 _LAUNCH_VARIABLES = (
     *("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK"),

@@ -25,7 +25,7 @@ from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline.stage import StandIn
 from lightning_smp.tensor_parallel import parallelize, plan_tensor_parallel, shard_of
 from lightning_smp.tensor_parallel.plan import match_pattern
-from tests.distributed import init_gloo, run_distributed
+from tests.distributed import init_gloo, launch_once
 from tests.models import quiet_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -184,13 +184,8 @@ def _run_all(rank: int, world: int) -> dict:
     return results | {name: _fit(rank, *args) for name, *args in ((name, *run) for name, run in _RUNS[world].items())}
 
 
-_launched: dict[int, list[dict]] = {}
-
-
 def launch(world: int) -> list[dict]:
-    if world not in _launched:
-        _launched[world] = run_distributed(_run_all, world, world, timeout=500)
-    return _launched[world]
+    return launch_once(_run_all, world, world, timeout=500)
 
 
 def _check_tp2(name: str) -> list[dict]:
