@@ -304,6 +304,13 @@ class SMPConfig:
             )
         if self.partition is not None:
             object.__setattr__(self, "partition", _normalise_partition(self.partition, pp, self.virtual_stages))
+        if self.virtual_stages > 1 and self.pipeline == "zero_bubble":
+            raise ValueError(
+                f"pipeline='zero_bubble' runs ZB-H1 with one trunk chunk per stage; virtual_stages="
+                f"{self.virtual_stages} chunks per stage are not supported with it (ZB-V is not implemented). Set "
+                "virtual_stages=1 to fill the bubble with weight gradients, or pipeline='interleaved' for Megatron's "
+                "interleaved schedule."
+            )
         if self.virtual_stages > 1 and (self.pipeline != "interleaved" or self.microbatches % pp):
             raise ValueError(
                 f"virtual_stages={self.virtual_stages} runs Megatron's interleaved schedule, which needs "

@@ -192,6 +192,8 @@ def test_virtual_stages_are_checked_with_the_config():
     assert config.partition == (1, 1, 1, 1)
     with pytest.raises(ValueError, match=r"needs pipeline='interleaved' \(got 'simple'\) and microbatches a multiple"):
         SMPConfig(pipeline_parallel_degree=2, microbatches=4, virtual_stages=2, pipeline="simple")
+    with pytest.raises(ValueError, match=r"pipeline='zero_bubble' runs ZB-H1 with one trunk chunk per stage"):
+        SMPConfig(pipeline_parallel_degree=2, microbatches=4, virtual_stages=2, pipeline="zero_bubble")
     with pytest.raises(ValueError, match=r"microbatches a multiple of pipeline_parallel_degree=2 \(got 3\)"):
         SMPConfig(pipeline_parallel_degree=2, microbatches=3, virtual_stages=2)
     with pytest.raises(ValueError, match=r"pipeline_parallel_degree=2 x virtual_stages=2 makes 4 chunks"):
