@@ -55,19 +55,19 @@ PIPELINES = ("smp_1f1b", "smp_gpipe", "smp_virtual2", "smp_zb", "torch_1f1b", "t
 """The pipelines each round times (see the module docstring)."""
 
 
-def _model(width: int, blocks: int) -> nn.Sequential:
+def blocks_model(width: int, blocks: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(*(nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(blocks)))
 
 
-def _data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
+def blocks_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return torch.randn(args.batch, args.width, generator=generator), torch.randn(
         args.batch, args.width, generator=generator
     )
 
 
-def _time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
+def time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
     for _ in range(args.warmup):
         step()
     times = []
@@ -84,7 +84,7 @@ def _time_steps(step: Callable[[], None], args: argparse.Namespace) -> float:
 def _accumulate(model: nn.Module, args: argparse.Namespace, microbatches: int, input_grad: bool = False) -> float:
     """Seconds per step of ``model`` over the m microbatches one after another (gradient accumulation);
     ``input_grad``: the input requires grad, as a pipeline stage's received activation does."""
-    x, y = _data(args)
+    x, y = blocks_data(args)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
     inputs = [piece.clone().requires_grad_(input_grad) for piece in x.chunk(microbatches)]
     pieces = list(zip(inputs, y.chunk(microbatches), strict=True))
@@ -95,16 +95,16 @@ def _accumulate(model: nn.Module, args: argparse.Namespace, microbatches: int, i
             (nn.functional.mse_loss(model(xs), ys) / microbatches).backward()
         optimizer.step()
 
-    return _time_steps(step, args)
+    return time_steps(step, args)
 
 
 def _single(rank: int, args: argparse.Namespace, out: Any) -> None:
-    out.put({m: _accumulate(_model(args.width, args.blocks), args, m) for m in args.microbatches})
+    out.put({m: _accumulate(blocks_model(args.width, args.blocks), args, m) for m in args.microbatches})
 
 
 def _half(rank: int, args: argparse.Namespace, out: Any, barrier: Any) -> None:
     half = args.blocks // STAGES
-    model = _model(args.width, args.blocks)[rank * half : (rank + 1) * half]
+    model = blocks_model(args.width, args.blocks)[rank * half : (rank + 1) * half]
     result = {}
     for m in args.microbatches:
         barrier.wait()  # both halves run at the same time, as pipeline stages would
@@ -112,22 +112,29 @@ def _half(rank: int, args: argparse.Namespace, out: Any, barrier: Any) -> None:
     out.put((rank, result))
 
 
-def fit_blocks(args: argparse.Namespace, strategy: Any, steps: int, callbacks: list | None = None) -> None:
-    """A real ``Trainer.fit`` of the blocks (MSE loss, SGD) on two CPU ranks under ``strategy``, ``steps`` steps
-    of the same batch, printing and writing nothing; `pipeline_timeline.py` times the same run."""
+def fit_blocks(
+    args: argparse.Namespace,
+    strategy: Any,
+    steps: int,
+    callbacks: list | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.SGD(params, lr=1e-4),
+) -> None:
+    """A real ``Trainer.fit`` of the blocks (MSE loss, SGD unless ``optimizer`` makes another from the parameters)
+    on two CPU ranks under ``strategy``, ``steps`` steps of the same batch, printing and writing nothing;
+    `pipeline_timeline.py` times the same run, `zero1_bench.py` the same with AdamW."""
     import lightning.pytorch as pl
 
     class Blocks(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.blocks = _model(args.width, args.blocks)
+            self.blocks = blocks_model(args.width, args.blocks)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
             return nn.functional.mse_loss(self.blocks(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=1e-4)
+            return optimizer(self.parameters())
 
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -141,14 +148,14 @@ def fit_blocks(args: argparse.Namespace, strategy: Any, steps: int, callbacks: l
         use_distributed_sampler=False,
         callbacks=callbacks,
     )
-    loader = torch.utils.data.DataLoader([_data(args)] * steps, batch_size=None)
+    loader = torch.utils.data.DataLoader([blocks_data(args)] * steps, batch_size=None)
     trainer.fit(Blocks(), train_dataloaders=loader)
 
 
-def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
+def timed_fit(args: argparse.Namespace, strategy: Any, **fit_options: Any) -> float:
+    """`fit_blocks` for ``--warmup`` + ``--steps`` steps; the median seconds from one ``on_train_batch_start`` to
+    the next over the steps after warm-up (Lightning's loop, hooks and the optimizer step included)."""
     from lightning.pytorch.callbacks import Callback
-
-    from lightning_smp import SMPStrategy
 
     class StepTimes(Callback):
         def __init__(self) -> None:
@@ -160,6 +167,15 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
             self.starts.append(time.perf_counter())
 
+    timer = StepTimes()
+    fit_blocks(args, strategy, args.warmup + args.steps, callbacks=[timer], **fit_options)
+    steps = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
+    return statistics.median(steps[args.warmup :])
+
+
+def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
+    from lightning_smp import SMPStrategy
+
     result = {}
     kinds = (
         ("smp_1f1b", "interleaved", None, 1),
@@ -169,7 +185,6 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
     )
     for name, pipeline, active, virtual_stages in kinds:
         for m in args.microbatches:
-            timer = StepTimes()
             strategy = SMPStrategy(
                 pipeline_parallel_degree=STAGES,
                 microbatches=m,
@@ -177,9 +192,7 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
                 active_microbatches=m if active else None,
                 virtual_stages=virtual_stages,
             )
-            fit_blocks(args, strategy, args.warmup + args.steps, callbacks=[timer])
-            steps = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
-            result[(name, m)] = statistics.median(steps[args.warmup :])
+            result[(name, m)] = timed_fit(args, strategy)
     out.put((rank, result))
 
 
@@ -194,13 +207,13 @@ def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
     )
 
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
-    model = _model(args.width, args.blocks)
+    model = blocks_model(args.width, args.blocks)
     half, quarter = args.blocks // STAGES, args.blocks // (2 * STAGES)
     module = model[rank * half : (rank + 1) * half]
     # ZB-V: four chunks in a V, rank 0 holding chunks 0 and 3, rank 1 chunks 1 and 2
     v_chunks = (rank, 2 * STAGES - 1 - rank)
     v_modules = [model[c * quarter : (c + 1) * quarter] for c in v_chunks]
-    x, y = _data(args)
+    x, y = blocks_data(args)
     device = torch.device("cpu")
     result = {}
     for name in ("torch_gpipe", "torch_1f1b", "torch_zb", "torch_zbv"):
@@ -225,7 +238,7 @@ def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
                 schedule.step(*([x] if first else []), **({"target": y} if last else {}))
                 optimizer.step()
 
-            result[(name, m)] = _time_steps(step, args)
+            result[(name, m)] = time_steps(step, args)
     dist.destroy_process_group()
     out.put((rank, result))
 
@@ -243,7 +256,7 @@ def _context() -> Any:
     return ctx
 
 
-def _spawn(
+def spawn(
     target: Callable[..., None], processes: int, args: argparse.Namespace, *extra: Any, env: dict | None = None
 ) -> list:
     ctx = _context()
@@ -288,7 +301,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _slowest(per_rank: list, kinds_key: Callable[[Any], Any] = lambda r: r[1]) -> dict:
+def slowest(per_rank: list, kinds_key: Callable[[Any], Any] = lambda r: r[1]) -> dict:
     """A pipeline step ends when its slowest rank's does: the max over ranks of each entry."""
     merged: dict = {}
     for item in per_rank:
@@ -317,14 +330,14 @@ def measure(args: argparse.Namespace) -> dict:
     torchelastic = {"TORCHELASTIC_RUN_ID": "bench"}  # Lightning then takes the ranks as launched, like torchrun
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        for m, seconds in _spawn(_single, 1, args)[0].items():
+        for m, seconds in spawn(_single, 1, args)[0].items():
             keep(("single", m), seconds)
         barrier = _context().Barrier(STAGES)
-        for m, seconds in _slowest(_spawn(_half, STAGES, args, barrier)).items():
+        for m, seconds in slowest(spawn(_half, STAGES, args, barrier)).items():
             keep(("half", m), seconds)
-        for key, seconds in _slowest(_spawn(_smp, STAGES, args, env=torchelastic)).items():
+        for key, seconds in slowest(spawn(_smp, STAGES, args, env=torchelastic)).items():
             keep(key, seconds)
-        for key, seconds in _slowest(_spawn(_torch, STAGES, args)).items():
+        for key, seconds in slowest(spawn(_torch, STAGES, args)).items():
             keep(key, seconds)
     return best
 

@@ -154,7 +154,7 @@ def main() -> None:
     best: dict = {}
     for round_index in range(args.rounds):
         print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
-        for key, seconds in bench._slowest(bench._spawn(_rank, STAGES, args)).items():
+        for key, seconds in bench.slowest(bench.spawn(_rank, STAGES, args)).items():
             best[key] = min(best.get(key, float("inf")), seconds)
     rows = []
     print(f"{'C us':>6} {'ideal ms':>9} {'ours ms':>8} {'of ideal':>8} {'torch ms':>9} {'of ideal':>8}")

@@ -159,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.warmup <= args.show < args.steps - 1:
         parser.error("--show must lie in [--warmup, --steps - 2]")
-    per_rank = dict(bench._spawn(_rank, 2, args, env={"TORCHELASTIC_RUN_ID": "timeline"}))
+    per_rank = dict(bench.spawn(_rank, 2, args, env={"TORCHELASTIC_RUN_ID": "timeline"}))
     report(per_rank, args)
     if args.trace:
         timeline_render.write_chrome_trace(per_rank, args.trace, warmup=args.warmup)
