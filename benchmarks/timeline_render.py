@@ -3,15 +3,16 @@ picture of one step per rank.
 
 Both read the events `pipeline_timeline.py` records on each rank: ``(label, start, end, microbatch)`` in
 wall-clock seconds (one clock: the ranks run on one machine), where ``F`` / ``B`` are a stage's forward and
-backward of a microbatch, ``STEP`` the whole training step, and the rest the transport's calls made inside or
+backward of a microbatch (``B`` only its input gradient where a ``W``, its weight gradients, follows it:
+``pipeline="zero_bubble"``), ``STEP`` the whole training step, and the rest the transport's calls made inside or
 between them. A rank idles while it waits for a message (``recv_activation``, ``wait_grads``, ``share``): those
 calls are drawn over the forward or backward that made them, so what is left of a bar is compute.
 
 - `write_chrome_trace`: every event after warm-up as a trace-event JSON (``{"traceEvents": [...]}``, complete
   events, one track per rank). Open it at https://ui.perfetto.dev (or ``chrome://tracing``).
 - `plot_step`: one step, one lane per rank, each lane that rank's own step on the common clock (a later stage
-  starts and ends later): forward (blue) and backward (orange) bars labelled with their microbatch, the waits
-  hatched grey over them, each lane's idle share of its step in its label. Needs matplotlib.
+  starts and ends later): forward (blue), backward (orange) and weight-gradient (green) bars labelled with their
+  microbatch, the waits hatched grey over them, each lane's idle share of its step in its label. Needs matplotlib.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from typing import Any
 Event = tuple[str, float, float, Any]  # label, start (s), end (s), microbatch or None
 
 WAITS = ("recv_activation", "wait_grads", "share")  # a rank waiting for another: idle
-_CATEGORY = {"F": "forward", "B": "backward", "STEP": "step", **dict.fromkeys(WAITS, "wait")}
-_COLOURS = {"F": "#4C72B0", "B": "#DD8452"}
+_CATEGORY = {"F": "forward", "B": "backward", "W": "weight", "STEP": "step", **dict.fromkeys(WAITS, "wait")}
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 
 
 def step_window(events: Sequence[Event], step: int) -> tuple[float, float]:
@@ -70,6 +71,7 @@ def plot_step(per_rank: Mapping[int, Sequence[Event]], path: Path, *, step: int,
     t0 = min(start for start, _ in windows.values())  # each lane shows its own step; one clock for all
     span = 1e3 * (max(end for _, end in windows.values()) - t0)
     ranks = sorted(per_rank)
+    split = any(label == "W" for events in per_rank.values() for label, *_ in events)
     figure, axes = plt.subplots(figsize=(10, 0.9 + 0.75 * len(ranks)))
     for lane, rank in enumerate(ranks):
         y = len(ranks) - 1 - lane  # rank 0 on top
@@ -103,12 +105,13 @@ def plot_step(per_rank: Mapping[int, Sequence[Event]], path: Path, *, step: int,
     axes.legend(
         handles=[
             Patch(color=_COLOURS["F"], label="forward"),
-            Patch(color=_COLOURS["B"], label="backward"),
+            Patch(color=_COLOURS["B"], label="backward (input gradient)" if split else "backward"),
+            *([Patch(color=_COLOURS["W"], label="weight gradients")] if split else []),
             Patch(facecolor="#DDDDDD", edgecolor="#888888", hatch="///", label="waiting for a message (idle)"),
         ],
         loc="upper center",
         bbox_to_anchor=(0.5, -0.3 if len(ranks) <= 2 else -0.18),
-        ncol=3,
+        ncol=4 if split else 3,
         frameon=False,
         fontsize=8,
     )
