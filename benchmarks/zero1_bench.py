@@ -1,0 +1,132 @@
+"""ZeRO-1's step time: SMPStrategy(shard_optimizer_state=True) against plain data parallelism, two CPU ranks (dp2),
+and torch's ``ZeroRedundancyOptimizer`` against plain ``DistributedDataParallel`` as the peer — ratios measured in
+one run, one thread per rank, gloo.
+
+Model and data: `pipeline_bench.py`'s (``--blocks`` MLP blocks of ``--width``, MSE loss, a batch of ``--batch``
+rows per rank), trained with AdamW, whose two state tensors per parameter are what ZeRO-1 shards. Per kind, the
+seconds per training step:
+
+- ``smp_dp``: a real ``Trainer.fit`` with ``SMPStrategy()`` on two ranks (data parallelism: DDP's bucketed
+  all-reduce, overlapped with backward), Lightning's loop and hooks included; timed from one
+  ``on_train_batch_start`` to the next;
+- ``smp_zero1``: the same with ``SMPStrategy(shard_optimizer_state=True)``: gradients reduce-scattered after the
+  backward, each rank updating its half of the parameters, the updated halves all-gathered;
+- ``torch_ddp`` / ``torch_zero``: a plain loop (no Lightning) over the same model in ``DistributedDataParallel``,
+  with ``torch.optim.AdamW`` / with ``ZeroRedundancyOptimizer(optimizer_class=AdamW)`` (DDP's all-reduce, then each
+  rank updates its share of the parameters and broadcasts it).
+
+Each is the median step time over ``--steps`` steps after ``--warmup``, the best of ``--rounds`` rounds (rounds
+run the kinds in turn, so drift of a shared machine hits them alike); a step ends when the slower rank's does.
+Printed: step times and the two ratios ``smp_zero1 / smp_dp`` and ``torch_zero / torch_ddp``. ``--out`` writes
+the JSON (with the machine, command and date).
+
+    python benchmarks/zero1_bench.py --out zero1_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+try:
+    from benchmarks import pipeline_bench as bench
+except ImportError:  # run as `python benchmarks/zero1_bench.py`
+    import pipeline_bench as bench
+
+RANKS = 2
+KINDS = ("smp_dp", "smp_zero1", "torch_ddp", "torch_zero")
+"""What each round times (see the module docstring)."""
+
+
+def _adamw(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
+    from lightning_smp import SMPStrategy
+
+    result = {}
+    for name, shard in (("smp_dp", False), ("smp_zero1", True)):
+        strategy = SMPStrategy(shard_optimizer_state=shard)
+        result[name] = bench.timed_fit(args, strategy, optimizer=_adamw)
+    out.put((rank, result))
+
+
+def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    x, y = bench.blocks_data(args)
+    result = {}
+    for name in ("torch_ddp", "torch_zero"):
+        model = DistributedDataParallel(bench.blocks_model(args.width, args.blocks))
+        if name == "torch_zero":
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        else:
+            optimizer = _adamw(model.parameters())
+
+        def step(model: nn.Module = model, optimizer: Any = optimizer) -> None:
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+
+        result[name] = bench.time_steps(step, args)
+    dist.destroy_process_group()
+    out.put((rank, result))
+
+
+def measure(args: argparse.Namespace) -> dict:
+    best: dict = {}
+    torchelastic = {"TORCHELASTIC_RUN_ID": "bench"}  # Lightning then takes the ranks as launched, like torchrun
+    for round_index in range(args.rounds):
+        print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
+        timed = {
+            **bench.slowest(bench.spawn(_smp, RANKS, args, env=torchelastic)),
+            **bench.slowest(bench.spawn(_torch, RANKS, args)),
+        }
+        for name, seconds in timed.items():
+            best[name] = min(best.get(name, float("inf")), seconds)
+    return best
+
+
+def report(best: dict, args: argparse.Namespace) -> dict:
+    row = {f"{name}_s": best[name] for name in KINDS}
+    row["smp_zero1_over_smp_dp"] = best["smp_zero1"] / best["smp_dp"]
+    row["torch_zero_over_torch_ddp"] = best["torch_zero"] / best["torch_ddp"]
+    print(" ".join(f"{name} {best[name] * 1e3:7.1f}ms" for name in KINDS))
+    print(
+        f"smp_zero1 / smp_dp = {row['smp_zero1_over_smp_dp']:.3f}, "
+        f"torch_zero / torch_ddp = {row['torch_zero_over_torch_ddp']:.3f}"
+    )
+    parameters = sum(p.numel() for p in bench.blocks_model(args.width, args.blocks).parameters())
+    row["parameters"] = parameters
+    return bench.record([row], args)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument("--out", type=str, default=None)
+    args = parser.parse_args()
+    bench.describe_machine()
+    result = report(measure(args), args)
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=2)
+
+
+if __name__ == "__main__":
+    main()
