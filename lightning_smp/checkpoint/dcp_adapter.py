@@ -9,10 +9,12 @@ DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -21,14 +23,18 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from lightning_smp.checkpoint.verification import CheckpointError
 from lightning_smp.placement import TPShard
+from lightning_smp.progress import Progress
 
 __all__ = [
     "LoadPlanner",
+    "ReportingWriter",
     "SavePlanner",
     "ShardChunks",
     "global_size",
@@ -86,16 +92,40 @@ class ShardChunks:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """Our entries are flat already: a dict value (the random generators) is one object, not a subtree."""
+    """Our entries are flat already: a dict value (the random generators) is one object, not a subtree.
+    ``on_tensor(nbytes)`` is called as each tensor is handed to the writer (`ReportingWriter` sets it)."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.on_tensor: Callable[[int], None] = lambda nbytes: None
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
         if isinstance(value, ShardChunks):
             return value.chunk(index.offset)
         return super().lookup_object(index)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if isinstance(data, Tensor):
+            self.on_tensor(data.numel() * data.element_size())
+        return data
+
+
+class ReportingWriter(FileSystemWriter):
+    """DCP's file writer (fsync'ing every file) that reports this rank's progress while it writes: lines with the
+    bytes done and the rate, shown on rank 0 (`lightning_smp.progress`), so a long save does not look like a hang."""
+
+    def __init__(self, path: Any, *, what: str) -> None:
+        super().__init__(path, sync_files=True)
+        self._what = what
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        total = sum(_item_bytes(item) for item in plan.items)
+        with Progress(self._what, total) as progress:
+            if isinstance(planner, SavePlanner):
+                planner.on_tensor = progress.advance
+            return super().write_data(plan, planner)  # writes before it returns (one thread: DCP's default)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -117,6 +147,12 @@ class LoadPlanner(DefaultLoadPlanner):
         if isinstance(value, ShardChunks):
             return value.chunk(index.offset)
         return super().lookup_tensor(index)
+
+
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
 
 
 def global_size(value: Any) -> torch.Size:
