@@ -4,7 +4,8 @@ Owns what DCP is handed for each entry (a tensor, or this rank's chunks of a ten
 load planners, which look those chunks up. Not owned: which entries a checkpoint has (`saving.py`, `loading.py`)
 or which piece a rank holds (`placement.py`). DCP reads any chunk layout into any other, which is
 resharding; describing our shards as chunks (packed q/k/v blocks included) gets that without DTensor. The
-DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are.
+DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are, except those of a tensor-parallel piece,
+whose slices become chunks of the global tensor too. Also owns the writer that reports a save's progress.
 """
 
 from __future__ import annotations
@@ -49,28 +50,38 @@ class ShardChunks:
 
     A `TPShard` splits each of ``blocks`` equal blocks along ``dim`` into ``parts`` pieces and keeps piece
     ``index`` of every block, so the local tensor holds ``blocks`` chunks of the global one (one for a plain
-    column/row split, three for a packed q/k/v weight). DCP asks objects for their chunks through the methods
-    DTensor implements (``__create_write_items__``, ``__create_chunk_list__``); our planners look the chunks up.
+    column/row split, three for a packed q/k/v weight). Under sharded data parallelism the tensor-parallel piece is
+    a DTensor of which this rank holds one slice (FSDP2's rows); the chunks are then that slice's parts of the
+    global tensor. DCP asks objects for their chunks through the methods DTensor implements
+    (``__create_write_items__``, ``__create_chunk_list__``); our planners look the chunks up.
     """
 
     def __init__(self, local: Tensor, shard: TPShard) -> None:
         self.local = local
-        dim, blocks, parts, index = shard.dim, shard.blocks, shard.parts, shard.index
-        size = list(local.shape)
-        size[dim] *= parts
+        piece_shape, data, start = local.shape, local, [0] * local.dim()
+        if isinstance(local, DTensor):  # this rank's slice of the tensor-parallel piece
+            (held,) = local.__create_chunk_list__()
+            data, start = local.to_local(), list(held.offsets)
+        size = list(piece_shape)
+        size[shard.dim] *= shard.parts
         self._size = torch.Size(size)
-        piece = local.shape[dim] // blocks  # this rank's rows of one block
+        self._properties = TensorProperties.create_from_tensor(data)
+        piece = piece_shape[shard.dim] // shard.blocks  # the piece's rows of one block
+        first, count = start[shard.dim], data.shape[shard.dim]  # the rows of the piece `data` holds
         self._chunks: dict[torch.Size, Tensor] = {}
-        for block in range(blocks):
-            offsets = [0] * local.dim()
-            offsets[dim] = block * piece * parts + index * piece
-            self._chunks[torch.Size(offsets)] = local.narrow(dim, block * piece, piece)
+        for block in range(shard.blocks):
+            begin, end = max(first, block * piece), min(first + count, (block + 1) * piece)
+            if begin >= end:
+                continue  # none of this block's rows are in this rank's slice (FSDP2 may give a rank none)
+            offsets = list(start)
+            offsets[shard.dim] = block * piece * shard.parts + shard.index * piece + (begin - block * piece)
+            self._chunks[torch.Size(offsets)] = data.narrow(shard.dim, begin - first, end - begin)
 
     def size(self) -> torch.Size:
         return self._size
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        properties = TensorProperties.create_from_tensor(self.local)
+        properties = self._properties
         return [
             WriteItem(
                 index=MetadataIndex(fqn, offsets),
@@ -186,5 +197,10 @@ def state_target(info: TensorStorageMetadata, param: Tensor | None, shard: TPSha
     if isinstance(param, DTensor) and tuple(info.size) == tuple(param.shape):
         return torch.empty_like(param, dtype=dtype)  # sharded data parallelism: DCP reads this rank's shard
     if shard is not None and param is not None and tuple(info.size) == tuple(global_size(ShardChunks(param, shard))):
-        return ShardChunks(torch.empty(param.shape, dtype=dtype), shard)
+        like = (
+            torch.empty_like(param, dtype=dtype)
+            if isinstance(param, DTensor)
+            else torch.empty(param.shape, dtype=dtype)
+        )
+        return ShardChunks(like, shard)
     return torch.empty(info.size, dtype=dtype)

@@ -70,8 +70,7 @@ class WholeTensors:
         item = _Slice(stream, where.offset, where.length)
         stored, start = _locate_storage(item)
         if start is None:  # not a plain contiguous tensor (never written so by us): torch reads it, then we copy
-            item.seek(0)
-            region.copy_(torch.load(io.BufferedReader(item), map_location="cpu", weights_only=True))
+            region.copy_(torch.load(io.BufferedReader(item.fresh()), map_location="cpu", weights_only=True))
             return
         start += where.offset
         if region.is_contiguous() and region.dtype == stored.dtype:
@@ -121,8 +120,7 @@ def host_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> Tenso
 def _locate_storage(item: _Slice) -> tuple[Tensor, int | None]:
     """The stored tensor (on the meta device: its dtype, shape and strides) and where, in ``item``, its bytes start
     in row-major order; None as the start when they cannot be read as they lie (a view, another byte order)."""
-    stored = torch.load(io.BufferedReader(item), map_location="meta", weights_only=True)
-    item.seek(0)
+    stored = torch.load(io.BufferedReader(item.fresh()), map_location="meta", weights_only=True)  # closes its copy
     with zipfile.ZipFile(item) as archive:
         records = [info for info in archive.infolist() if info.filename.rsplit("/", 2)[-2:-1] == ["data"]]
         byteorder = next((archive.read(i) for i in archive.infolist() if i.filename.endswith("/byteorder")), None)
@@ -167,6 +165,10 @@ class _Slice(io.RawIOBase):
     def __init__(self, stream: io.FileIO, offset: int, length: int) -> None:
         super().__init__()
         self._stream, self._offset, self._length, self._position = stream, offset, length, 0
+
+    def fresh(self) -> _Slice:
+        """Another reader of the same range, from its start (a ``BufferedReader`` closes the reader it wraps)."""
+        return _Slice(self._stream, self._offset, self._length)
 
     def readable(self) -> bool:
         return True
