@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from lightning_smp.checkpoint.dcp_adapter import ReportingWriter, SavePlanner, stored, stored_like_param
+from lightning_smp.checkpoint.hugging_face import RECORD_KEY, describe_models
 from lightning_smp.checkpoint.names import MODEL, OPTIM, RNG, params_by_name, shards_by_name
 from lightning_smp.checkpoint.rng import rng_states
 from lightning_smp.checkpoint.storage import (
@@ -81,6 +82,7 @@ def save(
                 try:
                     record = {**run, "format": FORMAT_VERSION, "version": package_version()}
                     record["torch"] = str(torch.__version__)
+                    record[RECORD_KEY] = describe_models(module)  # what export_hf writes config.json from
                     record["files"] = {name: info for part in files for name, info in part.items()}
                     write_file(staging / META_FILENAME, {**rest, RECORD: record})
                     publish(staging, path)
