@@ -135,8 +135,9 @@ def _sources(model: HuggingFaceModel | None, metadata: Metadata) -> dict[str, st
     if missing:
         raise CheckpointError(
             f"The checkpoint lacks {len(missing)} of the tensors of the {type(model.model).__name__} it recorded at "
-            f"{model.place!r}: {', '.join(missing[:10])}. It does not match the model's config; export it from the "
-            "run that wrote it."
+            f"{model.place!r}: {', '.join(missing[:10])}. It does not match the model's config (its layers were "
+            "changed after it was built?): consolidate the checkpoint and load `consolidated_state_dict(file, "
+            f"{model.place!r})` into the model you mean, then call its `save_pretrained`."
         )
     others = [entry[len(MODEL) :] for entry in entries if not entry.startswith(MODEL + model.prefix)]
     if others:
@@ -164,7 +165,10 @@ def _specs(
             )
         saved = info.properties.dtype
         if saved not in DTYPE_CODES:
-            raise CheckpointError(f"{name!r} has dtype {saved}, which safetensors cannot hold.")
+            raise CheckpointError(
+                f"{name!r} has dtype {saved}, which safetensors cannot hold: consolidate the checkpoint instead "
+                "(`lightning_smp.consolidate_checkpoint`)."
+            )
         specs[name] = (info.size, dtype if dtype is not None and saved.is_floating_point else saved)
     return specs
 

@@ -88,7 +88,8 @@ class _Pickler(pickle.Pickler):
         if isinstance(obj, torch.TypedStorage | torch.UntypedStorage):
             raise TypeError(
                 "lightning_smp writes plain tensors one at a time; a tensor subclass in the checkpoint pickles its "
-                f"storage directly ({type(obj).__name__}). Convert it to a plain tensor before saving."
+                f"storage directly ({type(obj).__name__}). Replace it by a plain tensor in the checkpoint before "
+                "saving."
             )
         return None
 

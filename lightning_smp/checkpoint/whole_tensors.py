@@ -155,7 +155,10 @@ def _read_into(stream: io.FileIO, position: int, view: memoryview) -> None:
     while done < len(view):
         count = stream.readinto(view[done:])
         if not count:
-            raise OSError(f"{stream.name}: the file ends {len(view) - done} bytes early")
+            raise OSError(
+                f"{stream.name}: the file ends {len(view) - done} bytes early (cut short after the checkpoint's "
+                "checks ran); use an earlier checkpoint"
+            )
         done += count
 
 
