@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import IO, Any
 
 import lightning.pytorch as pl
 import torch
@@ -32,12 +32,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils.serialization import config as serialization_config
 from torchmetrics import Metric
 
 __all__ = [
     "ATEN_TO_COPY",
     "INITS_THAT_SKIP_META",
     "MODULE_TABLES",
+    "REBUILD_TENSOR",
     "BatchNormBase",
     "TorchDispatchMode",
     "after_closure",
@@ -79,6 +81,7 @@ __all__ = [
     "tree_unflatten",
     "unflatten_dense_tensors",
     "unflatten_mesh",
+    "zip_file_writer",
 ]
 
 # -- torch (checked: 2.13.0) -----------------------------------------------------------------------------------
@@ -124,6 +127,22 @@ INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "spar
 
 MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 """An ``nn.Module``'s three tables, as they appear in ``vars(module)``."""
+
+REBUILD_TENSOR = torch._utils._rebuild_tensor_v3
+"""``(storage, storage_offset, size, stride, requires_grad, backward_hooks, dtype)`` → a tensor viewing ``storage``:
+what a ``torch.save`` file names to rebuild a tensor of any dtype from an untyped storage, and one of the functions
+``torch.load(weights_only=True)`` allows (torch keeps loading files that name it). `checkpoint.torch_file` writes a
+``torch.save`` file one tensor at a time with it and `zip_file_writer`: torch offers no public way to write its
+archive a record at a time (``torch.save`` holds every storage until it writes them)."""
+
+
+def zip_file_writer(stream: IO[bytes]) -> Any:
+    """torch's own writer of the ``torch.save`` zip archive (records aligned for ``mmap=True`` loads, CRC-32s,
+    zip64, the version records), writing to ``stream``: ``write_record(name, data, size)`` with ``data`` a
+    storage or bytes, then ``write_end_of_file()``."""
+    save = serialization_config.save
+    return torch._C.PyTorchFileWriter(stream, save.compute_crc32, save.storage_alignment)
+
 
 # tree_flatten, tree_unflatten, tree_map, tree_leaves (imported above): torch's pytree utilities over nested tuples,
 # lists, dicts and namedtuples, public in all but their module's name.

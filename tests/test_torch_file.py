@@ -1,6 +1,6 @@
 """`lightning_smp.checkpoint.torch_file`: a ``torch.save`` file written one tensor at a time, and the private names
-of torch it uses (`private_torch`), checked against the installed torch, so an upgrade that changes one fails here,
-by name.
+of torch it uses (``REBUILD_TENSOR`` and ``zip_file_writer`` in `lightning_smp._compat`), checked against the
+installed torch, so an upgrade that changes one fails here, by name.
 """
 
 import inspect
@@ -8,12 +8,12 @@ import zipfile
 
 import torch
 
-from lightning_smp.checkpoint import private_torch
+from lightning_smp._compat import REBUILD_TENSOR
 from lightning_smp.checkpoint.torch_file import write_torch_file
 
 
 def test_torch_rebuild_tensor_takes_a_dtype_and_is_allowed_in_weights_only_loads():
-    assert list(inspect.signature(private_torch.REBUILD_TENSOR).parameters)[:7] == [
+    assert list(inspect.signature(REBUILD_TENSOR).parameters)[:7] == [
         "storage",
         "storage_offset",
         "size",
@@ -22,7 +22,7 @@ def test_torch_rebuild_tensor_takes_a_dtype_and_is_allowed_in_weights_only_loads
         "backward_hooks",
         "dtype",
     ]
-    assert private_torch.REBUILD_TENSOR in torch._weights_only_unpickler._get_allowed_globals().values()
+    assert REBUILD_TENSOR in torch._weights_only_unpickler._get_allowed_globals().values()
 
 
 def test_torch_zip_file_writer_writes_what_torch_load_reads_one_tensor_at_a_time(tmp_path):

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_smp.checkpoint import private_torch
+from lightning_smp._compat import REBUILD_TENSOR, zip_file_writer
 
 __all__ = ["write_torch_file"]
 
@@ -40,7 +40,7 @@ def write_torch_file(path: Path, obj: Any, fill: Callable[[Tensor], Tensor], adv
     pickler = _Pickler(pickled)
     pickler.dump(obj)
     with open(path, "wb") as stream:
-        writer = private_torch.zip_file_writer(stream)
+        writer = zip_file_writer(stream)
         try:
             for name, value in (
                 ("data.pkl", pickled.getvalue()),
@@ -80,7 +80,7 @@ class _Pickler(pickle.Pickler):
         self.tensors.append(tensor)
         shape = tuple(tensor.shape)
         arguments = (storage, 0, shape, _contiguous_strides(shape), obj.requires_grad, OrderedDict(), tensor.dtype)
-        return private_torch.REBUILD_TENSOR, arguments
+        return REBUILD_TENSOR, arguments
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, _Storage):
