@@ -22,7 +22,8 @@ tensor has no data until it is materialised:
   recorded, so do them inside the ``with`` block (or after materialisation). Views taken afterwards (slices,
   ``.t()``, ``nn.Parameter(view)``) stay deferred and materialise to the view of the value; copies do not;
 - tensors made on the meta device by hand (``device="meta"``, inside or outside the block) or in an earlier block:
-  they are not recorded, and materialising a parameter or buffer computed from one raises an error naming it;
+  they are not recorded, and materialising a parameter or buffer computed from one raises an error naming it (one
+  that an op of the block writes whole, ``fill_``, ``normal_``, ``copy_``, is known from then on);
 - ``orthogonal_``, ``dirac_`` and ``sparse_`` reached other than as ``torch.nn.init.<name>`` or through Hugging
   Face's ``transformers.initialization`` (a copy bound before the block, e.g. ``from torch.nn.init import
   orthogonal_``): torch skips meta tensors in them, so call them through ``torch.nn.init`` (``trunc_normal_`` is
@@ -34,9 +35,16 @@ to the op), exactly as an eager CPU build draws them, and the generator ends whe
 the block the default device still reads as the CPU (so Hugging Face's ``post_init`` initialises); factories without
 ``device=`` make meta tensors, while ``torch.tensor([...])`` constants and tensors made with an explicit real
 ``device=`` stay real and are left as they are.
+
+Values from files
+-----------------
+A value can also come from outside the block's ops: ``deferred_from(source)`` is a deferred tensor whose value a
+`Source` (a tensor of a checkpoint file, `lightning_smp.weights`) reads when it is materialised. When nothing but
+copies and dtype casts were applied to it, the source reads only the part a rank keeps (a `Cut`), never the whole.
+`lightning_smp.load_weights` loads this way.
 """
 
-from lightning_smp.delayed_init.recording import deferred_init, is_deferred
+from lightning_smp.delayed_init.recording import Source, deferred_from, deferred_init, is_deferred
 from lightning_smp.delayed_init.replay import materialize, materialize_module
 
-__all__ = ["deferred_init", "is_deferred", "materialize", "materialize_module"]
+__all__ = ["Source", "deferred_from", "deferred_init", "is_deferred", "materialize", "materialize_module"]

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -24,6 +24,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_smp.placement import Cut
 
 __all__ = [
     "ACTIVE",
@@ -35,6 +37,10 @@ __all__ = [
     "Op",
     "Recording",
     "Ref",
+    "Source",
+    "SourceRead",
+    "cpu_as_deferred",
+    "deferred_from",
     "deferred_init",
     "is_deferred",
     "lookup",
@@ -72,6 +78,8 @@ COPIES = frozenset({_aten.clone.default, _aten._to_copy.default, _aten.lift_fres
 # it looks up at each call, so that copies of ``trunc_normal_`` bound elsewhere (Hugging Face's) are seen too.
 _INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 _DATA_CONSTRUCTORS = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+# ``*_like`` factories and the factory each becomes inside `cpu_as_deferred` when asked for the CPU
+_LIKE_FACTORIES = {torch.empty_like: torch.empty, torch.zeros_like: torch.zeros, torch.ones_like: torch.ones}
 MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 _META = torch.device("meta")
 CPU = torch.device("cpu")
@@ -206,6 +214,13 @@ class _Recorder(TorchDispatchMode):
     def _is_untracked(self, tensor: Tensor) -> bool:
         return tensor.untyped_storage()._cdata in self._recording.untracked
 
+    def _adopt(self, tensor: Tensor) -> None:
+        """``tensor``'s storage is written whole by an op of this block: a meta storage made elsewhere (by hand, or
+        in an earlier block) is known from here on, as this block's; its earlier values stay unknown."""
+        entry = self._recording.untracked.pop(tensor.untyped_storage()._cdata, None)
+        if entry is not None:
+            _STORAGES[tensor.untyped_storage()._cdata] = (entry[0], self._recording, entry[1])
+
     def _output_sid(self, tensor: Tensor) -> int:
         storage = tensor.untyped_storage()
         sid = self._new_sid()
@@ -241,14 +256,18 @@ class _Recorder(TorchDispatchMode):
         rng_state = self._draw(func, flat, spec)
 
         refs = [self._ref(leaf, self._input_sid(leaf)) if _is_meta_tensor(leaf) else None for leaf in flat]
-        writes = {
-            ref.sid: ref for leaf, ref in zip(flat, refs, strict=True) if ref is not None and _same(leaf, written)
+        targets = {
+            ref.sid: (ref, leaf)
+            for leaf, ref in zip(flat, refs, strict=True)
+            if ref is not None and _same(leaf, written)
         }
+        writes = {sid: ref for sid, (ref, _) in targets.items()}
         reads = {ref.node for ref in refs if ref is not None}
-        for sid, ref in writes.items():
+        for sid, (ref, leaf) in targets.items():
             others_read_it = sum(r is not None and r.sid == sid for r in refs) > 1
             if (func in _OVERWRITES_SELF and ref.covers_storage() and not others_read_it) or _is_out(func, sid, refs):
                 reads.discard(ref.node)
+                self._adopt(leaf)
 
         meta_args, meta_kwargs = tree_unflatten([_to_meta(leaf) for leaf in flat], spec)
         try:
@@ -293,6 +312,17 @@ class _Recorder(TorchDispatchMode):
         self._recording.ops.append(Op(index, function, recorded, spec, reads, {ref.sid: ref}, [], state))
         self._recording.last_write[ref.sid] = index
         return tensor
+
+    def record_source(self, source: Source) -> Tensor:
+        """A new deferred tensor made by one op that reads ``source``."""
+        with _paused():
+            out = torch.empty(tuple(source.shape), dtype=source.dtype, device=_META)
+        sid, index = self._output_sid(out), len(self._recording.ops)
+        self._recording.last_write[sid] = index
+        _, spec = tree_flatten(((), {}))
+        fresh = [(0, self._ref(out, sid))]
+        self._recording.ops.append(Op(index, SourceRead(source), [], spec, frozenset(), {}, fresh, None))
+        return out
 
     def _draw(self, func, flat: list[Any], spec) -> Tensor | None:
         """For a random op: the state of the generator it draws from, before it draws; and advance that generator as
@@ -404,13 +434,67 @@ class _MetaFactories(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _LIKE_FACTORIES and getattr(ACTIVE, "cpu_deferred", False) and _is_cpu(kwargs.get("device", "meta")):
+            like, rest = args[0], {key: value for key, value in kwargs.items() if key not in ("device", "dtype")}
+            return _LIKE_FACTORIES[func](like.shape, dtype=kwargs.get("dtype") or like.dtype, device=_META, **rest)
         if func in _device_constructors() and func not in _DATA_CONSTRUCTORS and not getattr(ACTIVE, "paused", False):
-            if kwargs.get("device") is None:
+            if kwargs.get("device") is None or (getattr(ACTIVE, "cpu_deferred", False) and _is_cpu(kwargs["device"])):
                 kwargs["device"] = _META
             elif torch.device(kwargs["device"]).type == "meta":  # asked for by hand: a meta tensor, as eagerly
                 with _paused():
                     return func(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def _is_cpu(device: Any) -> bool:
+    return torch.device(device).type == "cpu"
+
+
+@contextmanager
+def cpu_as_deferred() -> Iterator[None]:
+    """Inside a ``deferred_init()`` block, factories asked for the CPU (``device="cpu"``) make deferred tensors too:
+    for library code that places tensors it creates on the CPU explicitly (Hugging Face moving a model's missing
+    keys off the meta device before initialising them)."""
+    previous = getattr(ACTIVE, "cpu_deferred", False)
+    ACTIVE.cpu_deferred = True
+    try:
+        yield
+    finally:
+        ACTIVE.cpu_deferred = previous
+
+
+class Source(Protocol):
+    """Where a tensor's values come from other than the ops of a block: a tensor of a checkpoint file."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    def read(self, cut: Cut | None) -> Tensor:
+        """The whole value (``cut`` None) or only ``cut`` of it, as a new contiguous CPU tensor."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRead:
+    """The recorded op that makes a deferred tensor from a `Source`: replayed, it reads the whole value."""
+
+    source: Source
+
+    def __call__(self) -> Tensor:
+        return self.source.read(None)
+
+
+def deferred_from(source: Source) -> Tensor:
+    """A deferred tensor whose value is ``source``'s (nothing is read now); inside a ``deferred_init()`` block.
+    Materialised, it is read then, and only the part a rank keeps when nothing but copies and dtype casts were
+    applied to it (see `replay`)."""
+    recorder = getattr(ACTIVE, "recorder", None)
+    if recorder is None:
+        raise RuntimeError("deferred_from() makes a deferred tensor: call it inside a `with deferred_init():` block.")
+    return recorder.record_source(source)
 
 
 @contextmanager

@@ -25,20 +25,32 @@ from lightning_smp.delayed_init.recording import (
     Op,
     Recording,
     Ref,
+    SourceRead,
     is_deferred,
     lookup,
     prune,
 )
+from lightning_smp.placement import Cut
 
 __all__ = ["materialize", "materialize_module"]
 
 
-def materialize(wanted: Sequence[tuple[Tensor, Callable[[Tensor], Tensor]]], *, device: torch.device) -> list[Tensor]:
+def materialize(
+    wanted: Sequence[tuple[Tensor, Callable[[Tensor], Tensor]]],
+    *,
+    device: torch.device,
+    on_done: Callable[[Tensor], None] | None = None,
+) -> list[Tensor]:
     """For each (deferred tensor, cut): cut(value an eager build gives the tensor) as a new real tensor on device
     (contiguous, not a view of the whole). Replays the recorded ops in order; each whole value lives only until its
     last use; the same tensor may appear several times with different cuts (tied weights). A tensor that cannot be
-    materialised raises a clear error naming it and the fix."""
-    return _materialize([(f"wanted[{i}]", tensor, cut) for i, (tensor, cut) in enumerate(wanted)], torch.device(device))
+    materialised raises a clear error naming it and the fix. ``on_done`` is called with each result when it is made.
+
+    A value read from a `Source` (``deferred_from``) with only copies and dtype casts applied to it is not made
+    whole when its cut is a `lightning_smp.placement.Cut`: the source reads just the cut (a file, only those bytes).
+    """
+    entries = [(f"wanted[{i}]", tensor, cut) for i, (tensor, cut) in enumerate(wanted)]
+    return _materialize(entries, torch.device(device), on_done)
 
 
 def materialize_module(
@@ -63,7 +75,7 @@ def materialize_module(
             entries.append((name, tensor, chosen if chosen is not None else _whole))
             places[id(tensor)] = []
         places[id(tensor)].append((container, key))
-    values = _materialize(entries, torch.device(device))
+    values = _materialize(entries, torch.device(device), None)
     for (_, old, _), value in zip(entries, values, strict=True):
         if isinstance(old, nn.Parameter):
             value = nn.Parameter(value, requires_grad=old.requires_grad)
@@ -105,7 +117,11 @@ def _whole(value: Tensor) -> Tensor:
     return value
 
 
-def _materialize(entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]], device: torch.device) -> list[Tensor]:
+def _materialize(
+    entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]],
+    device: torch.device,
+    on_done: Callable[[Tensor], None] | None,
+) -> list[Tensor]:
     if getattr(ACTIVE, "recorder", None) is not None:
         raise RuntimeError(
             "materialize() was called inside deferred_init(); leave the `with deferred_init():` block first, so "
@@ -119,7 +135,7 @@ def _materialize(entries: list[tuple[str, Tensor, Callable[[Tensor], Tensor]]], 
         by_recording.setdefault(id(recording), (recording, []))[1].append((position, ref, cut, name))
     results: list[Tensor | None] = [None] * len(entries)
     for recording, targets in by_recording.values():
-        _Replay(recording, targets, device, results).run()
+        _Replay(recording, targets, device, results, on_done).run()
     return results  # type: ignore[return-value]
 
 
@@ -153,17 +169,37 @@ class _Replay:
     """Replays one recording for a set of targets, one target's ops at a time, so that a whole value is alive only
     from the op that makes it to its last use (a value needed later and overwritten earlier is copied first)."""
 
-    def __init__(self, recording: Recording, targets, device: torch.device, results: list[Tensor | None]) -> None:
+    def __init__(
+        self,
+        recording: Recording,
+        targets,
+        device: torch.device,
+        results: list[Tensor | None],
+        on_done: Callable[[Tensor], None] | None,
+    ) -> None:
         self._ops = recording.ops
-        self._untracked = {sid for _, sid in recording.untracked.values()}
         self._device = device
         self._results = results
+        self._on_done = on_done
         self._groups: dict[tuple[int, int], list[tuple[int, Ref, Callable[[Tensor], Tensor], str]]] = {}
         for target in targets:
             self._groups.setdefault(target[1].node, []).append(target)
         self._closures = {node: self._closure(node, group[0][3]) for node, group in self._groups.items()}
-        self._uses: dict[tuple[int, int], int] = dict.fromkeys(self._groups, 1)
-        for index in set().union(*self._closures.values()):
+        # Values read from a source through copies and casts only, and needed by nothing else: read as cut.
+        self._direct = {node: chain for node in self._groups if (chain := self._source_chain(node)) is not None}
+        elsewhere = {
+            read
+            for node in self._groups
+            if node not in self._direct
+            for i in self._closures[node]
+            for read in self._ops[i].reads
+        }
+        for node in [node for node, chain in self._direct.items() if _outputs(chain) & elsewhere]:
+            del self._direct[node]
+        for node in self._direct:
+            self._closures[node] = {self._direct[node][0].index}  # for the order only: nothing of it is replayed
+        self._uses: dict[tuple[int, int], int] = dict.fromkeys(set(self._groups) - set(self._direct), 1)
+        for index in set().union(*(c for node, c in self._closures.items() if node not in self._direct)):
             for node in self._ops[index].reads:
                 self._uses[node] = self._uses.get(node, 0) + 1
         self._live: dict[tuple[int, int], _Slot] = {}
@@ -174,8 +210,8 @@ class _Replay:
         needed: set[int] = set()
         stack = [node]
         while stack:
-            sid, version = stack.pop()
-            if sid in self._untracked:
+            _, version = stack.pop()
+            if version == -1:  # the storage's value from before this block: unknown
                 raise ValueError(
                     f"{name} is computed from a meta tensor made outside its deferred_init() block (by hand with "
                     "device='meta', or in an earlier block), whose values are unknown here. Create that tensor in "
@@ -187,9 +223,29 @@ class _Replay:
             stack.extend(self._ops[version].reads)
         return needed
 
+    def _source_chain(self, node: tuple[int, int]) -> list[Op] | None:
+        """The ops from a source read to ``node`` when they are only copies and dtype casts of it and every target
+        of ``node`` asks for a `Cut` of the whole storage; else None."""
+        if not all(isinstance(cut, Cut) and _plain(ref) for _, ref, cut, _ in self._groups[node]):
+            return None
+        chain: list[Op] = []
+        while node[1] >= 0:
+            op = self._ops[node[1]]
+            chain.append(op)
+            if isinstance(op.func, SourceRead):
+                return chain[::-1]
+            source = _copied_from(op, node[0])
+            if source is None:
+                return None
+            node = source
+        return None
+
     def run(self) -> None:
         # Targets that share their first op (the copies of one source) are made one after the other.
         for node in sorted(self._groups, key=lambda n: (min(self._closures[n]), n[1])):
+            if node in self._direct:
+                self._read_direct(node)
+                continue
             for index in sorted(self._closures[node] - self._done):
                 self._run(self._ops[index])
                 self._done.add(index)
@@ -201,8 +257,25 @@ class _Replay:
                         f"the cut for {name} returned {type(piece).__name__}, not a tensor; make it return a tensor "
                         "(e.g. a slice of the value it is given)"
                     )
-                self._results[position] = torch.empty(piece.shape, dtype=piece.dtype, device=self._device).copy_(piece)
+                self._store(position, torch.empty(piece.shape, dtype=piece.dtype, device=self._device).copy_(piece))
             self._use(node)
+
+    @torch.no_grad()
+    def _read_direct(self, node: tuple[int, int]) -> None:
+        """Each target's cut read from the source, then copied and cast as the recorded ops did to the whole."""
+        read, *casts = self._direct[node]
+        for position, _, cut, name in self._groups[node]:
+            piece = read.func.source.read(cut)
+            if tuple(piece.shape) != cut.shape:
+                raise RuntimeError(f"{name}: its source read a {tuple(piece.shape)} piece for a {cut.shape} cut")
+            for op in casts:
+                piece = _cast_like(op, piece)
+            self._store(position, piece.to(self._device))
+
+    def _store(self, position: int, value: Tensor) -> None:
+        self._results[position] = value
+        if self._on_done is not None:
+            self._on_done(value)
 
     def _use(self, node: tuple[int, int]) -> None:
         slot = self._live[node]
@@ -298,3 +371,43 @@ def _restored(state: Tensor | None) -> torch.Generator:
     generator = torch.Generator()
     generator.set_state(state)
     return generator
+
+
+def _plain(ref: Ref) -> bool:
+    """Whether ``ref`` is its whole storage, laid out contiguously (a cut of it is a cut of the storage)."""
+    expected, strides = 1, []
+    for size in reversed(ref.size):
+        strides.append(expected)
+        expected *= size
+    return ref.offset == 0 and expected * ref.dtype.itemsize == ref.nbytes and ref.stride == tuple(reversed(strides))
+
+
+def _copied_from(op: Op, sid: int) -> tuple[int, int] | None:
+    """The value node ``op`` copies into storage ``sid`` (a copy, a dtype cast or ``copy_`` of a same-shaped plain
+    value over a whole plain storage), or None when it computes anything else."""
+    refs = [leaf for leaf in op.flat_args if isinstance(leaf, Ref)]
+    if op.func in COPIES and len(refs) == 1 and len(op.fresh) == 1 and op.fresh[0][1].sid == sid:
+        source, out = refs[0], op.fresh[0][1]
+    elif op.func is torch.ops.aten.copy_.default and len(refs) == 2 and refs[0].sid == sid and not op.fresh:
+        out, source = refs
+        if op.reads != {source.node}:
+            return None
+    else:
+        return None
+    if any(isinstance(leaf, Const) for leaf in op.flat_args) or source.size != out.size:
+        return None
+    return source.node if _plain(source) and _plain(out) else None
+
+
+def _cast_like(op: Op, piece: Tensor) -> Tensor:
+    """What ``op`` (see `_copied_from`) makes of ``piece`` instead of the whole value."""
+    if op.func is torch.ops.aten.copy_.default:
+        target = op.flat_args[0]
+        return torch.empty(piece.shape, dtype=target.dtype).copy_(piece)
+    args, kwargs = tree_unflatten([piece if isinstance(leaf, Ref) else leaf for leaf in op.flat_args], op.spec)
+    return op.func(*args, **kwargs)
+
+
+def _outputs(chain: list[Op]) -> set[tuple[int, int]]:
+    """The value nodes the ops of a source chain make."""
+    return {(ref.sid, op.index) for op in chain for ref in [*(out for _, out in op.fresh), *op.writes.values()]}
