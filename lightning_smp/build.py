@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from lightning_smp import activation_checkpointing, sharded_data_parallel, tensor_parallel
 from lightning_smp.activation_offloading import ActivationOffloader
-from lightning_smp.materialization import has_meta_tensors, materialize_kept
+from lightning_smp.materialization import has_meta_tensors, materialize_kept, pending_values
 from lightning_smp.pipeline.partition import (
     ChildCost,
     OutsidePlan,
@@ -116,12 +116,18 @@ def _trunk(model: nn.Module, config: SMPConfig, *, pp: int, sdp: int) -> tuple[s
 
 
 def plan_and_apply(
-    model: nn.Module, *, topology: Topology, config: SMPConfig, engine: PipelineEngine | None = None
+    model: nn.Module,
+    *,
+    topology: Topology,
+    config: SMPConfig,
+    device: torch.device,
+    engine: PipelineEngine | None = None,
 ) -> PipelineEngine | None:
     """Split ``model`` in place for this rank of ``topology``: tensor parallelism, activation checkpointing, this
     rank's pipeline stage (in this order: see `activation_checkpointing`), then under sharded data parallelism
-    FSDP2's shards. A model on the meta device is planned and pruned so, then only what this rank keeps is
-    materialised. Returns the pipeline engine (``engine`` when a later fit/validate reuses it), or None.
+    FSDP2's shards. A model on the meta device is planned, pruned and sharded so, then only what this rank keeps is
+    materialised, on ``device`` (the values a single-device build gives: its recorded initialisation, or its
+    checkpoint files). Returns the pipeline engine (``engine`` when a later fit/validate reuses it), or None.
 
     Collective over the run's groups. Running it again on the same model (``trainer.validate`` after ``fit``)
     applies only what is new.
@@ -144,8 +150,9 @@ def plan_and_apply(
             built = _partitioned(built, model, costs, config, stages)
         assert built.partition is not None and built.outside is not None
         engine = build_engine(model, topology=topology, config=config, plan=built.partition, outside=built.outside)
-    if on_meta:
-        materialize_kept(model, device=torch.device("cpu"))  # Lightning moves it to the device next
+    pending = pending_values(model) if on_meta else None  # taken before FSDP2 replaces the parameters
     if topology.sdp > 1:
         sharded_data_parallel.shard(model, units=built.shard_units, topology=topology, config=config)
+    if pending is not None:
+        materialize_kept(model, device=device, pending=pending)
     return engine

@@ -36,15 +36,18 @@ __all__ = ["ShardedOptimizer", "plan_units", "shard"]
 
 
 def shard(model: nn.Module, *, units: Sequence[tuple[nn.Module, bool]], topology: Topology, config: SMPConfig) -> None:
-    """``fully_shard`` ``model``'s ``units`` (`plan_units`) over the topology's sharding mesh, in place.
-    Parameters stay fp32 (the masters); fp16/bf16 runs compute in that dtype, reduce in fp32.
+    """``fully_shard`` ``model``'s ``units`` (`plan_units`) over the topology's sharding mesh, in place (a model on
+    the meta device too: `materialization` then gives each rank its rows). Parameters stay fp32 (the masters);
+    fp16/bf16 runs compute in that dtype, reduce in fp32.
 
-    The data-parallel replicas start from rank 0's values (what DDP does), then keep their own shards.
+    The data-parallel replicas start from rank 0's values (what DDP does; a model on the meta device gets the same
+    values on every rank when materialised), then keep their own shards.
     """
     if isinstance(model, FSDPModule):
         return  # sharded by an earlier fit/validate of the same model
     placements = {name: placement_of(param) for name, param in model.named_parameters()}
-    _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+    if not any(param.is_meta for param in model.parameters()):
+        _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
     meshes = {True: topology.sharding_mesh(), False: topology.sharding_mesh(sharded=False)}
     for module, is_sharded in units:

@@ -50,6 +50,7 @@ from lightning_smp.delayed_init import deferred_init
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.precision import SMPPrecision
+from lightning_smp.tensor_parallel.rng import sync_default_generator
 from lightning_smp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -247,6 +248,10 @@ class SMPStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
+        if self._topology is not None:
+            # Every rank records the same initial values, so each can materialise its own part of one model (an
+            # eager build is made equal by broadcasts at setup, which a model on the meta device cannot have).
+            sync_default_generator(dist.group.WORLD, self.root_device)
         with deferred_init(), self.precision_plugin.tensor_init_context():
             yield
 
@@ -271,7 +276,9 @@ class SMPStrategy(DDPStrategy):
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
         """Split the model for this rank (`lightning_smp.build`: plan, then apply) and keep its pipeline engine."""
-        self._pipeline = build.plan_and_apply(model, topology=self.topology, config=self._config, engine=self._pipeline)
+        self._pipeline = build.plan_and_apply(
+            model, topology=self.topology, config=self._config, device=self.root_device, engine=self._pipeline
+        )
         return model
 
     @property
