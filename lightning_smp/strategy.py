@@ -496,6 +496,13 @@ class SMPStrategy(DDPStrategy):
             weights_only=weights_only,
         )
 
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # `load_checkpoint` restores the optimizers itself; a consolidated file holds no optimizer state, and the
+        # optimizers then start fresh rather than Lightning refusing the file.
+        return False
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # `load_checkpoint` has loaded the weights already, into the masters too
