@@ -41,7 +41,8 @@ Values from files
 A value can also come from outside the block's ops: ``deferred_from(source)`` is a deferred tensor whose value a
 `Source` (a tensor of a checkpoint file, `lightning_smp.weights`) reads when it is materialised. When nothing but
 copies and dtype casts were applied to it, the source reads only the part a rank keeps (a `Cut`), never the whole.
-`lightning_smp.load_weights` loads this way.
+Hugging Face's ``from_pretrained`` inside the block loads this way (`huggingface`), and so does
+`lightning_smp.load_weights`.
 """
 
 from lightning_smp.delayed_init.recording import Source, deferred_from, deferred_init, is_deferred

@@ -25,6 +25,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_smp.delayed_init import huggingface
 from lightning_smp.placement import Cut
 
 __all__ = [
@@ -512,7 +513,7 @@ def deferred_init() -> Iterator[None]:
     recorder = _Recorder(Recording())
     ACTIVE.recorder = recorder
     try:
-        with _recording_initialisers(), _MetaFactories(), recorder:
+        with _recording_initialisers(), huggingface.loading_deferred(), _MetaFactories(), recorder:
             yield
     finally:
         ACTIVE.recorder = None
