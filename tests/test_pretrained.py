@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint, load_weights, smp
+from lightning_smp.checkpoint import CheckpointError
 from lightning_smp.materialization import cut_of
 from lightning_smp.placement import Cut
 from lightning_smp.weights import open_state_dict
@@ -331,3 +332,16 @@ def test_a_consolidated_checkpoint_resumes_under_pp2_tp2(four_ranks, checkpoints
     assert resumed["losses"][0] == pytest.approx(unbroken["losses"][2], rel=1e-6)
     for rank in four_ranks:
         assert rank["consolidated_pp2_tp2"]["losses"] == pytest.approx(resumed["losses"], rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_a_consolidated_checkpoint_that_does_not_fit_is_refused_naming_the_entries(checkpoints, tmp_path):
+    content = torch.load(checkpoints["consolidated"], map_location="cpu", weights_only=False)
+    state = content["state_dict"]
+    key = next(name for name, value in state.items() if value.dim() == 2)
+    torch.save({**content, "state_dict": {**state, key: torch.zeros(3, 3)}}, tmp_path / "shape.ckpt")
+    torch.save({**content, "state_dict": {k: v for k, v in state.items() if k != key}}, tmp_path / "short.ckpt")
+    with pytest.raises(CheckpointError, match=rf"1 shapes differ: {key}: \(3, 3\) in the checkpoint"):
+        _fit(_GPT(), SMPStrategy(), ckpt_path=str(tmp_path / "shape.ckpt"))
+    with pytest.raises(CheckpointError, match=rf"(?s)1 entries the checkpoint lacks: {key}.*strict_loading = False"):
+        _fit(_GPT(), SMPStrategy(), ckpt_path=str(tmp_path / "short.ckpt"))
