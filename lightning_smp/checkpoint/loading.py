@@ -50,6 +50,7 @@ from lightning_smp.checkpoint.verification import (
 from lightning_smp.materialization import cut_of
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import placement_of
+from lightning_smp.progress import Progress
 
 __all__ = ["load", "load_plain"]
 
@@ -153,7 +154,8 @@ def load_plain(
         problems = _plain_problems(own, saved, strict)
         raise_if_any(problems, resolve(path))
         targets: dict[str, Any] = {}
-        with torch.no_grad():
+        total = sum(_local(value).nbytes for name, value in own.items() if name in saved and isinstance(value, Tensor))
+        with torch.no_grad(), Progress("loading the weights", total) as progress:
             for name, value in own.items():
                 if name not in saved:
                     continue
@@ -161,9 +163,9 @@ def load_plain(
                     targets[f"{MODEL}{name}"] = saved[name]  # extra state, handed back to its module
                     continue
                 target = masters.get(id(value), value).detach()
-                local = target.to_local() if isinstance(target, DTensor) else target
-                local.copy_(cut_of(value)(saved[name]))
+                _local(target).copy_(cut_of(value)(saved[name]))
                 targets[f"{MODEL}{name}"] = target
+                progress.advance(_local(value).nbytes)
         _after_model_load(module, optimizers, masters, targets)
     saved_optimizers = checkpoint.get("optimizer_states")
     for optimizer, state in zip(optimizers, saved_optimizers or [], strict=False):
@@ -173,6 +175,10 @@ def load_plain(
             "lightning_smp: %s holds no optimizer state (a consolidated checkpoint): the optimizers start fresh.", path
         )
     return checkpoint
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _load_mapped(path: str | os.PathLike, weights_only: bool | None) -> dict[str, Any]:
