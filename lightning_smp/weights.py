@@ -89,7 +89,9 @@ class SafetensorsFile:
                 part = file.get_slice(key)
                 code = part.get_dtype()
                 if code not in _SAFETENSORS_DTYPES:
-                    raise ValueError(f"{self.path}: {key!r} has the dtype {code}, which this torch cannot hold.")
+                    raise ValueError(
+                        f"{self.path}: {key!r} has the dtype {code}, which this torch cannot hold; upgrade torch."
+                    )
                 shape = tuple(part.get_shape())
                 self.tensors[key] = SafetensorsTensor(self.path, key, shape, _SAFETENSORS_DTYPES[code], code)
 
@@ -127,7 +129,7 @@ def open_state_dict(path: str | os.PathLike) -> dict[str, SafetensorsTensor | Sa
             )
         path = found
     if not path.is_file():
-        raise FileNotFoundError(f"No state-dict file at {str(path)!r}.")
+        raise FileNotFoundError(f"No state-dict file at {str(path)!r}; check the path.")
     if path.name.endswith(_INDEX_SUFFIX):
         return _sharded_safetensors(path)
     if path.suffix == ".safetensors":
@@ -145,7 +147,10 @@ def _saved(path: Path) -> dict[str, SavedTensor]:
     content = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     state_dict = content.get("state_dict", content) if isinstance(content, Mapping) else None
     if not isinstance(state_dict, Mapping):
-        raise ValueError(f"{str(path)!r} holds a {type(content).__name__}, not a state dict.")
+        raise ValueError(
+            f"{str(path)!r} holds a {type(content).__name__}, not a state dict; give a file that `torch.save` wrote a "
+            "state dict or a Lightning checkpoint to."
+        )
     return {key: SavedTensor(value) for key, value in state_dict.items() if isinstance(value, Tensor)}
 
 

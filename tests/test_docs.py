@@ -360,7 +360,7 @@ def test_every_module_has_a_troubleshooting_section() -> None:
         ("config.py", "Configuring the strategy"),
         ("checkpoint.py", "Checkpoints"),
         ("checkpoint/storage.py", "Checkpoints"),
-        ("delayed_init.py", "Model creation and memory"),
+        ("delayed_init/replay.py", "Model creation and memory"),
         ("memory.py", "Model creation and memory"),
         ("placement.py", "Tensor parallelism"),
         ("tensor_parallel/a_new_module.py", "Tensor parallelism"),

@@ -267,7 +267,10 @@ class _Replay:
         for position, _, cut, name in self._groups[node]:
             piece = read.func.source.read(cut)
             if tuple(piece.shape) != cut.shape:
-                raise RuntimeError(f"{name}: its source read a {tuple(piece.shape)} piece for a {cut.shape} cut")
+                raise RuntimeError(
+                    f"{name}: its source read a {tuple(piece.shape)} piece for a {cut.shape} cut; a Source's "
+                    "read(cut) must return exactly cut.shape"
+                )
             for op in casts:
                 piece = _cast_like(op, piece)
             self._store(position, piece.to(self._device))
