@@ -118,13 +118,8 @@ def test_tp_memory_reports_every_layout() -> None:
 
 def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    _run("load_pretrained.py", "--size", "smoke", "--layouts", "1,tp2", "--out", str(out))
-    result = json.loads(out.read_text())
-    assert [row["layout"] for row in result["rows"]] == ["1", "tp2"]
-    assert [len(row["ranks"]) for row in result["rows"]] == [1, 2]
-    assert all(
-        _positive(rank["kept"]) and rank["peak"] >= rank["peak_after_loading"]
-        for row in result["rows"]
-        for rank in row["ranks"]
-    )
-    assert result["summary"][0]["loading_of_one_device"] == 1.0
+    _run("load_pretrained.py", "--size", "smoke", "--layouts", "tp2", "--out", str(out))
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["layout"] == "tp2" and len(row["ranks"]) == 2
+    for rank in row["ranks"]:
+        assert _positive(rank["kept"]) and rank["peak"] >= rank["peak_after_loading"] >= rank["rss_before_fit"]
