@@ -1,9 +1,11 @@
-"""This rank's fp32 master weights: all of them (`WholeMasters`), or a contiguous 1/dp share (`ShardedMasters`, ZeRO-1).
+"""Where one optimizer's fp32 master weights live: the `Masters` protocol and its whole and ZeRO-1 layouts.
 
-Owns where the masters and their fp32 grads live, how the model's grads get into them (a copy, or a reduce-scatter
-over the data-parallel replicas), how updated masters get back into the model (a copy, or an all-gather), and the
-translation between what the inner optimizer updates and whole model parameters (checkpoints). Not owned: the
-order of an update and the overflow/norm vote (`optimizer.py`, `grad_vote.py`).
+Owns where the masters and their fp32 grads live, the gradient intake (`Masters.take_grads`: how the model's grads
+get into the master grads — a copy, or a reduce-scatter over the data-parallel replicas; FSDP2's shards, the third
+layout, in `sharded_data_parallel.py`, reduce their own), how updated masters get back into the model (a copy, or an
+all-gather), which grads count in the global norm, and the translation between what the inner optimizer updates and
+whole model parameters (checkpoints). Not owned: the order of an update and which parameters are trained
+(`optimizer.py`), the overflow vote and the norm's reduction (`grad_vote.py`).
 Sharded, as smp did: one flat buffer per parameter dtype, padded to a multiple of dp; each replica owns a
 contiguous share of it, and the inner optimizer sees one 1-D piece per parameter that overlaps that share
 (Megatron's "shard main params"), so param groups, LR schedulers and element-wise optimizers work unchanged;
@@ -15,26 +17,92 @@ while the next forward runs; here the reduce-scatter and all-gather run whole, a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_smp.grad_vote import Counted
 from lightning_smp.placement import placement_of
 
-__all__ = ["HALF_DTYPES", "ShardedMasters", "WholeMasters"]
+if TYPE_CHECKING:
+    from lightning_smp.topology import Topology
+
+__all__ = ["HALF_DTYPES", "Masters", "Run", "ShardedMasters", "WholeMasters", "single_device"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+Run = Callable[[], "Topology | None"]
+"""The running job's topology, looked up at each use (None: one process, or the run has ended): masters keep no
+process group, so that the groups are freed when the run ends."""
+
+
+class Masters(Protocol):
+    """The fp32 masters of the trained parameters of one optimizer, wherever they live.
+
+    Built as ``Masters(params, run)`` over the parameters the optimizer trains (`MasterWeightOptimizer` decides
+    which), in its param groups' order.
+    """
+
+    params: list[Tensor]
+    """The model parameters whose masters these are."""
+    replicated: bool
+    """Whether every data-parallel replica holds every master (the global norm then sums one replica's)."""
+
+    def optimized(self) -> dict[int, Tensor]:
+        """id(model parameter) → the tensor the inner optimizer updates in its place (absent: none on this rank)."""
+
+    def master_params(self) -> list[Tensor]:
+        """The fp32 tensors the inner optimizer updates."""
+
+    def take_grads(self) -> None:
+        """The gradient intake: make the model's latest grads (still loss-scaled) the master grads `grads` returns,
+        reduced over the data-parallel replicas where the masters are sharded. Collective where it reduces."""
+
+    def grads(self) -> list[Tensor]:
+        """The fp32 grads the update reads (unscaled, clipped in place)."""
+
+    def counted_grads(self) -> list[Counted]:
+        """The grads this rank counts in the global norm (`grad_vote`'s rule)."""
+
+    def finite_check_grads(self) -> list[Tensor] | None:
+        """The fused fast path: the still-scaled grads whose finiteness decides overflow, read in place of the
+        unscale (after `take_grads`); None where there is no such path (then `grads` are unscaled)."""
+
+    def write_params(self) -> None:
+        """Put the updated masters into the model's parameters. Collective where the masters are sharded."""
+
+    def after_step(self) -> None:
+        """Restore what `take_grads` changed for one step only."""
+
+    def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """(model parameter, its fp32 master) for the masters that are copies, in order (``state_dict``)."""
+
+    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """Each model parameter with its whole fp32 master (checkpoints)."""
+
+    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
+        """Set the masters from whole fp32 values by id(model parameter), then the model's parameters."""
+
+    def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
+        """Each model parameter that has optimizer state, with that state shaped like the parameter."""
+
+    def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Whole per-parameter states by id(model parameter) → states by id(the tensor the optimizer updates)."""
 
 
 class WholeMasters:
     """Every master on this rank: half-precision parameters get fp32 copies in one flat buffer (param-shaped views,
-    so unscale, overflow check and norm are one kernel each); fp32 parameters are their own masters."""
+    so unscale, overflow check and norm are one kernel each); fp32 parameters are their own masters. The grads are
+    all-reduced over the replicas before the intake (DDP, the pipeline engine), which copies them."""
 
-    def __init__(self, params: Sequence[Tensor], device: torch.device) -> None:
+    replicated = True
+
+    def __init__(self, params: Sequence[Tensor], run: Run) -> None:
+        device = single_device(params)
         self.half_params = [p for p in params if p.dtype in HALF_DTYPES]
         self.own_params = [p for p in params if p.dtype not in HALF_DTYPES]
         self._flat_master = torch.empty(sum(p.numel() for p in self.half_params), dtype=torch.float32, device=device)
@@ -65,7 +133,7 @@ class WholeMasters:
     def master_params(self) -> list[Tensor]:
         return [*self.masters, *self.own_params]
 
-    def read_grads(self) -> None:
+    def take_grads(self) -> None:
         """Copy the half grads of the latest backward, still scaled, into the fp32 master grads."""
         half_grads = [p.grad for p in self.half_params]
         if any(g is None for g in half_grads):
@@ -83,36 +151,39 @@ class WholeMasters:
         elif half_grads:
             torch._foreach_copy_(self._grad_views, half_grads)
 
-    def all_half_grads(self) -> list[Tensor] | None:
-        """The half grads, when every half parameter has one (the fused fast path reads them directly)."""
-        grads = [p.grad for p in self.half_params]
-        return None if any(g is None for g in grads) else grads
+    def finite_check_grads(self) -> list[Tensor] | None:
+        """The half grads (half the bytes of their fp32 copies) and the fp32 params' grads, when every half
+        parameter has a grad; None otherwise (then the masters' grads are checked as they are unscaled)."""
+        half_grads = [p.grad for p in self.half_params]
+        if any(g is None for g in half_grads):
+            return None
+        return half_grads + [p.grad for p in self.own_params if p.grad is not None]
 
     def grads(self) -> list[Tensor]:
         """Every fp32 grad the update reads: the flat master grad (one kernel) and the fp32 params' own grads."""
         own = [p.grad for p in self.own_params if p.grad is not None]
         return ([self._flat_grad] if self.half_params else []) + own
 
-    def counted_grads(self) -> list[Tensor]:
+    def counted_grads(self) -> list[Counted]:
         """The grads that count in the global norm: all of them (one flat kernel) unless some are duplicates."""
         if all(self._norm_counts):
-            return self.grads()
+            return [(grad, 1) for grad in self.grads()]
         grads = [master.grad for master in self.masters] + [p.grad for p in self.own_params]
-        return [g for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
+        return [(g, 1) for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
 
     def write_params(self) -> None:
         """Copy the masters into the half-precision parameters."""
         if self.half_params:
             torch._foreach_copy_(self.half_params, self.masters)
 
-    def forget_group(self) -> None:
-        """Nothing to drop: whole masters need no process group."""
-
     def after_step(self) -> None:
         if self._grads_detached:
             for master, view in zip(self.masters, self._grad_views, strict=True):
                 master.grad = view
             self._grads_detached = False
+
+    def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
+        return list(zip(self.half_params, self.masters, strict=True))
 
     def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
         """Each model parameter with its fp32 master (itself when already fp32); the masters themselves."""
@@ -164,13 +235,16 @@ class ShardedMasters:
 
     Args:
         params: every parameter the optimizer updates, in its param groups' order.
-        device: where the shares live.
-        group: the data-parallel replicas that hold the same parameters.
+        run: the running job, whose data-parallel replicas hold the same parameters.
     """
 
-    def __init__(self, params: Sequence[Tensor], device: torch.device, group: dist.ProcessGroup) -> None:
+    replicated = False
+
+    def __init__(self, params: Sequence[Tensor], run: Run) -> None:
         self.params = list(params)
-        self._group = group
+        self._run = run
+        device = single_device(params)
+        group = self._group()
         self._replicas = dist.get_world_size(group)
         rank = dist.get_rank(group)
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -204,7 +278,7 @@ class ShardedMasters:
     def master_params(self) -> list[Tensor]:
         return [piece.master for piece in self._pieces]
 
-    def read_grads(self) -> None:
+    def take_grads(self) -> None:
         """Average the model's grads over the replicas, each keeping its share (reduce-scatter, in the grads'
         dtype as DDP's all-reduce is; divided first, as DDP averages), into the fp32 grad share. A parameter with no
         grad contributes zeros (its state still advances, unlike an unsharded step)."""
@@ -216,20 +290,20 @@ class ShardedMasters:
                 torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
             flat.div_(self._replicas)
             share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
-            dist.reduce_scatter_tensor(share, flat, group=self._group)
+            dist.reduce_scatter_tensor(share, flat, group=self._group())
             if share is not bucket.grad:
                 bucket.grad.copy_(share)
 
-    def all_half_grads(self) -> None:
+    def finite_check_grads(self) -> None:
         return None  # the grads are this rank's share only after a reduce-scatter: no fused fast path
 
     def grads(self) -> list[Tensor]:
         return [bucket.grad for bucket in self._buckets]
 
-    def counted_grads(self) -> list[Tensor]:
+    def counted_grads(self) -> list[Counted]:
         if all(self._counts):
-            return self.grads()  # the padding is zero
-        return [piece.master.grad for piece, counts in zip(self._pieces, self._counts, strict=True) if counts]
+            return [(grad, 1) for grad in self.grads()]  # the padding is zero
+        return [(piece.master.grad, 1) for piece, counts in zip(self._pieces, self._counts, strict=True) if counts]
 
     def write_params(self) -> None:
         """All-gather the updated shares into every replica's parameters (in their dtype)."""
@@ -239,9 +313,13 @@ class ShardedMasters:
     def after_step(self) -> None:
         pass
 
-    def forget_group(self) -> None:
-        """Drop the replicas' group (destroyed at interpreter exit); the masters can no longer be used."""
-        self._group = None
+    def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
+        raise ValueError(
+            "`optimizer.state_dict()` and `load_state_dict()` hold one rank's masters by position, which a sharded "
+            "optimizer (shard_optimizer_state=True) does not have whole. Use `trainer.save_checkpoint` / "
+            "`ckpt_path=` or `smp.save_checkpoint` / `smp.resume_from_checkpoint`: they store the optimizer state "
+            "by parameter name, which loads at any data-parallel degree, sharded or not."
+        )
 
     def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
         """Each model parameter with its whole fp32 master, gathered from every replica's share (collective: every
@@ -303,7 +381,7 @@ class ShardedMasters:
             }
         )
         gathered: list[list[str]] = [[] for _ in range(self._replicas)]
-        dist.all_gather_object(gathered, mine, group=self._group)
+        dist.all_gather_object(gathered, mine, group=self._group())
         return sorted({key for keys in gathered for key in keys})
 
     def _state_share(self, bucket: _Bucket, inner_state: dict[Tensor, Any], key: str) -> Tensor:
@@ -318,8 +396,28 @@ class ShardedMasters:
         for bucket in self._buckets:
             dtype = dtype_of(bucket)
             full = torch.empty(bucket.padded, dtype=dtype, device=bucket.master.device)
-            dist.all_gather_into_tensor(full, share_of(bucket).to(dtype), group=self._group)
+            dist.all_gather_into_tensor(full, share_of(bucket).to(dtype), group=self._group())
             yield bucket, full
+
+    def _group(self) -> dist.ProcessGroup:
+        topology = self._run()
+        if topology is None:
+            raise RuntimeError(
+                "The run of this sharded optimizer has ended and its process groups are gone: its masters live on "
+                "the data-parallel replicas. Build a new optimizer in the next run (`configure_optimizers`)."
+            )
+        return topology.group("dp")
+
+
+def single_device(params: Sequence[Tensor]) -> torch.device:
+    """The one device ``params`` live on (the CPU for none)."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"The optimizer's parameters live on several devices {sorted(map(str, devices))}; one rank trains on "
+            "one device. Move the model to one device before building the optimizer."
+        )
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _elementwise(value: Any, param: Tensor) -> bool:

@@ -94,7 +94,7 @@ def _fail_a_save(rank, trainer, directory):
     """Overwrite last.ckpt with different weights while rank 1's write fails; last.ckpt must stay as it was."""
     for optimizer in trainer.strategy.optimizers:
         with torch.no_grad():
-            for _, master in optimizer.whole_masters():
+            for master in optimizer.master_params():
                 master.mul_(2.0)  # what a successful save would write
     original = FileSystemWriter.write_data
     if rank == 1:

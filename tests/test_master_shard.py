@@ -45,9 +45,7 @@ class _Record(Callback):
         if isinstance(optimizer, MasterWeightOptimizer):
             norm = optimizer.clip_master_grads(math.inf)
         else:
-            topology = trainer.strategy.topology
-            group = topology.group("mp") if topology.size("mp") > 1 else None
-            norm = clip_grad_norm_counted(list(pl_module.parameters()), math.inf, group=group)
+            norm = clip_grad_norm_counted(list(pl_module.parameters()), math.inf, topology=trainer.strategy.topology)
         self.norms.append(norm.item())
 
 

@@ -19,6 +19,7 @@ from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import mark_norm_duplicate
+from lightning_smp.topology import build as build_topology
 from tests.distributed import init_gloo, run_distributed
 
 SCALE = 2.0**10
@@ -648,8 +649,9 @@ def test_the_fused_fast_path_equals_the_explicit_unscale_path(delayed_shift: int
 
 
 def _clip_half_of_a_vector(rank: int) -> list[float]:
-    """Rank r holds half r of a sharded vector plus a replicated scalar (a duplicate on rank 1)."""
+    """Rank r holds half r of a tensor-parallel vector plus a replicated scalar (a duplicate on rank 1)."""
     init_gloo()
+    topology = build_topology(dp=1, pp=1, tp=2, order="DPT", device_type="cpu")
     full = torch.arange(1.0, 9.0)
     shard = nn.Parameter(torch.zeros(4))
     shard.grad = full[4 * rank : 4 * rank + 4].clone()
@@ -657,7 +659,7 @@ def _clip_half_of_a_vector(rank: int) -> list[float]:
     replicated.grad = torch.tensor([10.0])
     if rank == 1:
         mark_norm_duplicate(replicated, axis="tp")
-    norm = clip_grad_norm_counted([shard, replicated], 1.0, group=torch.distributed.group.WORLD)
+    norm = clip_grad_norm_counted([shard, replicated], 1.0, topology=topology)
     return [norm.item(), torch.linalg.vector_norm(shard.grad).item()]
 
 
