@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.utils import _sync_module_states
 
 from lightning_smp.grad_vote import Counted
@@ -30,15 +31,14 @@ if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
     from lightning_smp.topology import Topology
 
-__all__ = ["FSDPMasters", "plan_units", "shard"]
+__all__ = ["FSDPMasters", "keeps_whole", "plan_units", "shard"]
 
 
 def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
-    """``fully_shard`` ``model`` over the topology's sharding mesh, in place: each child of its sequential trunk
-    (the container with the most parameters) is one unit, the rest belongs to the root unit (``model``, whose
-    forward hooks the strategy runs every step through). A module whose own parameters all have fewer than
-    ``sdp_param_persistence_threshold`` elements (and are not shared with another module) is kept whole on every
-    rank. Parameters stay fp32 (the masters); fp16/bf16 runs compute in that dtype, reduce in fp32.
+    """``fully_shard`` ``model`` over the topology's sharding mesh, in place, unit by unit (`plan_units`). A
+    parameter with fewer than ``sdp_param_persistence_threshold`` elements is kept whole on every rank, in its
+    unit (gathered with it, its grads all-reduced rather than reduce-scattered), as smp kept such parameters whole.
+    Parameters stay fp32 (the masters); fp16/bf16 runs compute in that dtype, reduce in fp32.
 
     The data-parallel replicas start from rank 0's values (what DDP does), then keep their own shards.
     """
@@ -47,30 +47,50 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
     placements = {name: placement_of(param) for name, param in model.named_parameters()}
     _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
-    meshes = {True: topology.sharding_mesh(), False: topology.sharding_mesh(sharded=False)}
-    for module, is_sharded in plan_units(model, config):
-        fully_shard(module, mesh=meshes[is_sharded], mp_policy=policy)
+    # One mesh description for every whole parameter: FSDP2 groups a unit's parameters by it (torch 2.13's
+    # per-parameter mesh, `fully_shard(shard_placement_fn=...)`; the types are documented there, not exported).
+    whole = HSDPMeshInfo(mesh=topology.sharding_mesh(sharded=False), shard_mesh_dim=1, replicate_mesh_dim=0)
+
+    def placement(param: nn.Parameter) -> ShardPlacementResult | None:
+        return ShardPlacementResult(placement=Shard(0), mesh_info=whole) if keeps_whole(param.numel(), config) else None
+
+    for module in plan_units(model, config):
+        fully_shard(module, mesh=topology.sharding_mesh(), mp_policy=policy, shard_placement_fn=placement)
     for name, param in model.named_parameters():  # fully_shard made new parameter objects
         set_placement(param, placements[name])
 
 
-def plan_units(model: nn.Module, config: SMPConfig) -> list[tuple[nn.Module, bool]]:
-    """The modules `shard` wraps, descendants before their ancestors (as FSDP2 asks), each with whether it is
-    sharded (True: a trunk child or the root, last) or kept whole on every rank (False: its own parameters all
-    below ``sdp_param_persistence_threshold`` and not shared). Pure: the memory planner reads it too."""
-    units = set(_trunk_children(model, config.pipeline_module))
-    shared = _shared_parameters(model)
-    threshold = config.sdp_param_persistence_threshold
-    planned = []
-    for module in reversed(list(model.modules())):
-        own = list(module.parameters(recurse=False))
-        if module is model:
-            continue
-        if own and all(p.numel() < threshold and id(p) not in shared for p in own):
-            planned.append((module, False))
-        elif module in units and any(True for _ in module.parameters()):
-            planned.append((module, True))
-    return [*planned, (model, True)]
+def plan_units(model: nn.Module, config: SMPConfig) -> list[nn.Module]:
+    """The modules `shard` wraps, the root last (FSDP2 wants descendants first): each child of the sequential
+    trunk (the container with the most parameters), and the root for the rest. Pure: the memory planner reads it.
+
+    A unit's parameters are gathered by its forward hooks, so a unit must be a module whose parameters are used
+    only inside its own call. A trunk's children are called one after the other by their container (the pipeline
+    relies on the same), which makes them units; any finer boundary could cut a module whose parent reads the
+    child's parameters directly (``nn.MultiheadAttention`` reads ``out_proj.weight``, Hugging Face models their
+    embeddings' weights), so there is none. A trunk child holding a parameter that another module outside it holds
+    too (a tied weight) is left to the root.
+    """
+    children = _trunk_children(model, config.pipeline_module)
+    holders = _holders(model)
+    units = []
+    for child in children:
+        inside = _holders(child)
+        if inside and all(holders[key] == count for key, count in inside.items()):
+            units.append(child)
+    return [*units, model]
+
+
+def keeps_whole(elements: int, config: SMPConfig) -> bool:
+    """Whether a parameter of ``elements`` elements (as this rank holds it before sharding: its tensor-parallel
+    piece) stays whole on every rank: fewer than ``sdp_param_persistence_threshold`` (smp's, as DeepSpeed's
+    ``stage3_param_persistence_threshold``)."""
+    return elements < config.sdp_param_persistence_threshold
+
+
+def _holders(module: nn.Module) -> Counter[int]:
+    """id(parameter) → how many modules under ``module`` hold it as their own."""
+    return Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
 
 
 def _trunk_children(model: nn.Module, path: str | None) -> list[nn.Module]:
@@ -79,13 +99,7 @@ def _trunk_children(model: nn.Module, path: str | None) -> list[nn.Module]:
     except ValueError:
         if path is not None:
             raise
-        return []  # no sequential container: the root is the only sharded unit
-
-
-def _shared_parameters(model: nn.Module) -> set[int]:
-    """Ids of parameters held by more than one module (tied weights): they stay with the unit above both."""
-    holders = Counter(id(p) for module in model.modules() for p in module.parameters(recurse=False))
-    return {key for key, count in holders.items() if count > 1}
+        return []  # no sequential container: the root is the only unit
 
 
 class FSDPMasters:
