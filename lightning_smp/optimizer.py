@@ -1,6 +1,7 @@
 """The master-weight optimizer: the order of one update over fp32 masters, and its state by parameter.
 
-It owns the order of one update (take grads → unscale → check → clip → step → write back → rescale) and the
+It owns the order of one update (take grads → unscale → check → clip → step → write back → rescale), which of
+the optimizer's parameters are trained (those that require grad, decided here once for every layout) and the
 public view of its state by model parameter that checkpoints read and write. Where the masters live and how grads
 reach them is a `Masters` (`master_shard.py`: whole, ZeRO-1 shares; `sharded_data_parallel.py`: FSDP2's shards);
 the job-wide overflow vote and norm are `grad_vote.py`'s, the loss-scale rule `loss_scaler.py`'s, when Lightning
@@ -45,7 +46,9 @@ class MasterWeightOptimizer(Optimizer):
 
     The inner optimizer's param groups are re-pointed at the masters, and this wrapper's ``param_groups`` and
     ``state`` ARE the inner optimizer's, so ``StepLR(wrapper)`` and ``StepLR(wrapper.optimizer)`` both work.
-    Where the masters live is ``masters``:
+    A parameter that does not require grad when the optimizer is wrapped (frozen) is left out of the groups: no
+    master, no master grad, no state, never changed, as a torch optimizer skips a parameter without a grad; a
+    group of frozen parameters only stays, empty. Where the masters live is ``masters``:
     `WholeMasters` (fp32 copies of half-precision parameters; fp32 ones are their own), `ShardedMasters` (this
     data-parallel replica's share, ZeRO-1) or `FSDPMasters` (FSDP2's sharded fp32 parameters).
 
@@ -72,6 +75,7 @@ class MasterWeightOptimizer(Optimizer):
             raise ValueError("The optimizer is already a MasterWeightOptimizer; wrap the plain optimizer once.")
         params = _params_of(optimizer)
         device = single_device(params)
+        self._frozen = [p for p in params if not p.requires_grad]
         self._inner = optimizer
         self._step_state = _StepState()
         self._loss_scaler = loss_scaler.to(device) if loss_scaler is not None else None
@@ -80,7 +84,7 @@ class MasterWeightOptimizer(Optimizer):
         self._last_skip = HostMirror(device)
         self._run: Run = weakref.ref(topology) if topology is not None else _no_run
         self._clip_norm = clip_norm
-        self._masters = masters(params, self._run)
+        self._masters = masters([p for p in params if p.requires_grad], self._run)
         optimized = self._masters.optimized()
         for group in optimizer.param_groups:
             group["params"] = [optimized[id(p)] for p in group["params"] if id(p) in optimized]
@@ -169,7 +173,7 @@ class MasterWeightOptimizer(Optimizer):
         if self._step_state.grads_read:
             return
         self._step_state.grads_read = True
-        self._masters.take_grads()
+        self._take_grads()
         self._found_inf.zero_()
         if self._loss_scaler is None:
             return
@@ -230,6 +234,18 @@ class MasterWeightOptimizer(Optimizer):
         self._step_state.grads_read = True  # until the next backward, `overflow` reports this step
         return loss
 
+    def _take_grads(self) -> None:
+        """The masters' gradient intake, refusing a parameter unfrozen since the optimizer was wrapped."""
+        unfrozen = [tuple(p.shape) for p in self._frozen if p.requires_grad and p.grad is not None]
+        if unfrozen:
+            raise ValueError(
+                f"{len(unfrozen)} parameter(s) (shapes {unfrozen[:3]}) have gradients but did not require grad when "
+                "the optimizer was wrapped, so they have no master weights and would never change. Unfreeze "
+                "parameters before `trainer.fit` (the optimizer is built again at the start of every fit), or keep "
+                "them trainable and set their learning rate to 0 in a param group until they should train."
+            )
+        self._masters.take_grads()
+
     def _count_step(self) -> None:
         """After a step: count it if it was skipped, remember that for `last_step_skipped`, update the scale."""
         self._skipped_steps.add_(self._found_inf)
@@ -247,7 +263,7 @@ class MasterWeightOptimizer(Optimizer):
             self.unscale_grads()
             return None
         self._step_state.grads_read = True
-        self._masters.take_grads()
+        self._take_grads()
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
         for grad in checked:  # one list per dtype, as a foreach kernel takes one
             by_dtype.setdefault(grad.dtype, []).append(grad)
@@ -270,7 +286,7 @@ class MasterWeightOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's grads (the masters' grads are rewritten at every unscale)."""
-        for param in self._masters.params:
+        for param in [*self._masters.params, *self._frozen]:
             if set_to_none:
                 param.grad = None
             elif param.grad is not None:
@@ -280,8 +296,8 @@ class MasterWeightOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
             "Adding a param group to an fp16/bf16 master-weight optimizer is not supported: its masters live in "
-            "one flat buffer built at setup. Create every param group in `configure_optimizers` (set "
-            "`requires_grad=False` on the ones you want frozen at first)."
+            "one flat buffer built at setup. Create every param group in `configure_optimizers`; parameters frozen "
+            "then (`requires_grad=False`) stay frozen for that fit, and train in a later fit once unfrozen."
         )
 
     # -- checkpoints: by model parameter ---------------------------------------------------------------------------

@@ -59,11 +59,9 @@ def single_device_run(
     optimizer = model.configure_optimizers()
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     if fp16:
-        model.half()
-        optimizer = MasterWeightOptimizer(
-            type(optimizer)(model.parameters(), **optimizer.defaults),
-            loss_scaler=DynamicLossScaler.from_args({"init_scale": init_scale}),
-        )
+        model.half()  # the same parameter objects, now fp16: the optimizer (its param groups) stays valid
+        scaler = DynamicLossScaler.from_args({"init_scale": init_scale})
+        optimizer = MasterWeightOptimizer(optimizer, loss_scaler=scaler)
     dataset = model.train_dataloader().dataset
     batch_size = model.train_dataloader().batch_size
     samplers = [DistributedSampler(dataset, num_replicas=replicas, rank=r, seed=0) for r in range(replicas)]
