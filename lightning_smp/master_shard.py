@@ -17,7 +17,7 @@ while the next forward runs; here the reduce-scatter and all-gather run whole, a
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +31,7 @@ from lightning_smp.placement import placement_of
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
-__all__ = ["HALF_DTYPES", "Masters", "Run", "ShardedMasters", "WholeMasters", "single_device"]
+__all__ = ["HALF_DTYPES", "FlatPiece", "Masters", "Run", "ShardedMasters", "WholeMasters", "single_device"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -81,17 +81,36 @@ class Masters(Protocol):
     def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
         """(model parameter, its fp32 master) for the masters that are copies, in order (``state_dict``)."""
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its whole fp32 master (checkpoints)."""
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        """id(model parameter) → its fp32 master as this rank holds it, for checkpoints to write and to load into in
+        place: the whole master (the parameter itself when it is its own), or this replica's `FlatPiece` of it."""
 
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Set the masters from whole fp32 values by id(model parameter), then the model's parameters."""
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        """Set the masters from values by id(model parameter) (whole tensors: this rank takes its part; the parts
+        `master_parts` handed out, loaded in place, are kept), then the model's parameters from the masters."""
 
     def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
-        """Each model parameter that has optimizer state, with that state shaped like the parameter."""
+        """Each model parameter with optimizer state on this rank, with that state: element-wise values shaped like
+        the parameter (or this replica's `FlatPiece` of them), others as they are."""
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor | FlatPiece | None:
+        """An empty tensor for what this rank holds of an element-wise optimizer state of ``param`` (a checkpoint
+        loads into it); None when it holds none."""
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Whole per-parameter states by id(model parameter) → states by id(the tensor the optimizer updates)."""
+        """Per-parameter states by id(model parameter) (whole, or the parts `state_part` made) → this rank's states
+        by id(the tensor the optimizer updates)."""
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """Elements [start, start + flat.numel()) of a tensor shaped ``shape``, flattened row-major: what a ZeRO-1
+    replica holds of a parameter's master or of its element-wise optimizer state. Checkpoints write and read it as
+    chunks of the tensor (`checkpoint.dcp_adapter`), so that no replica gathers a whole one."""
+
+    shape: torch.Size
+    start: int
+    flat: Tensor
 
 
 class WholeMasters:
@@ -185,25 +204,28 @@ class WholeMasters:
     def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
         return list(zip(self.half_params, self.masters, strict=True))
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its fp32 master (itself when already fp32); the masters themselves."""
-        return [*zip(self.half_params, self.masters, strict=True), *((p, p) for p in self.own_params)]
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        return {id(p): m for p, m in self._pairs()}
 
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Set the masters from whole fp32 values by id(model parameter) (a master passed as its own value is
-        skipped), then the half-precision parameters from the masters."""
-        for param, master in self.whole_masters():
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        for param, master in self._pairs():
             value = values.get(id(param))
             if value is not None and value is not master:
                 master.copy_(value)
         self.write_params()
 
     def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
-        return [(p, dict(inner_state[m])) for p, m in self.whole_masters() if inner_state.get(m)]
+        return [(p, dict(inner_state[m])) for p, m in self._pairs() if inner_state.get(m)]
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor:
+        return torch.empty(param.shape, dtype=dtype, device=param.device)
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Whole per-parameter states by id(model parameter) → states by id(the tensor the optimizer updates)."""
-        return {id(m): states[id(p)] for p, m in self.whole_masters() if id(p) in states}
+        return {id(m): states[id(p)] for p, m in self._pairs() if id(p) in states}
+
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """Each model parameter with its fp32 master (itself when already fp32)."""
+        return [*zip(self.half_params, self.masters, strict=True), *((p, p) for p in self.own_params)]
 
 
 @dataclass
@@ -307,7 +329,9 @@ class ShardedMasters:
 
     def write_params(self) -> None:
         """All-gather the updated shares into every replica's parameters (in their dtype)."""
-        for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda bucket: bucket.dtype):
+        for bucket in self._buckets:
+            full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.master.device)
+            dist.all_gather_into_tensor(full, bucket.master.to(bucket.dtype), group=self._group())
             torch._foreach_copy_(bucket.params, _views(full, bucket.params))
 
     def after_step(self) -> None:
@@ -321,83 +345,53 @@ class ShardedMasters:
             "by parameter name, which loads at any data-parallel degree, sharded or not."
         )
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its whole fp32 master, gathered from every replica's share (collective: every
-        replica calls it; new tensors)."""
-        pairs = []
-        for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda _: torch.float32):
-            pairs += [(p, v.view_as(p)) for v, p in zip(_views(full, bucket.params), bucket.params, strict=True)]
-        return pairs
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        """Every parameter's `FlatPiece` on this replica (an empty one where it holds none): a checkpoint writes
+        each replica's share as chunks and reads into them, gathering nothing."""
+        parts: dict[int, Tensor | FlatPiece] = {}
+        for param in self.params:
+            parts[id(param)] = FlatPiece(param.shape, 0, torch.empty(0, dtype=torch.float32, device=param.device))
+        for piece in self._pieces:
+            parts[id(piece.param)] = FlatPiece(piece.param.shape, piece.start, piece.master.detach())
+        return parts
 
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Take this rank's share of whole fp32 values by id(model parameter), then all-gather into the params."""
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        """Take this rank's share of the values (whole ones, or this rank's pieces), then all-gather the shares
+        into every replica's parameters."""
         for piece in self._pieces:
             value = values.get(id(piece.param))
-            if value is not None:
+            if isinstance(value, FlatPiece):
+                if value.flat.data_ptr() != piece.master.data_ptr():  # else: loaded in place
+                    piece.master.copy_(value.flat[piece.start - value.start : piece.end - value.start])
+            elif value is not None:
                 piece.master.copy_(value.reshape(-1)[piece.start : piece.end])
         self.write_params()
 
     def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
-        """The optimizer state of every parameter with a piece on this rank, whole and shaped like the parameter:
-        element-wise state is all-gathered from every replica's share (collective; a transient whole copy),
-        scalar state (a step count) is this rank's."""
-        tensor_keys = self._elementwise_keys(inner_state)
-        states: dict[int, dict[str, Any]] = {}
+        """The optimizer state of every parameter with a piece on this rank: element-wise values as that piece's
+        `FlatPiece`, scalar ones (a step count) as they are. Nothing is gathered."""
+        states = []
         for piece in self._pieces:
             state = inner_state.get(piece.master)
             if state:
-                states[id(piece.param)] = {k: v for k, v in state.items() if k not in tensor_keys}
-        for key in tensor_keys:
-            for bucket, full in self._gathered(
-                lambda bucket, key=key: self._state_share(bucket, inner_state, key), dtype_of=lambda _: torch.float32
-            ):
-                for view, param in zip(_views(full, bucket.params), bucket.params, strict=True):
-                    if id(param) in states:
-                        states[id(param)][key] = view.view_as(param)
-        return [(piece.param, states[id(piece.param)]) for piece in self._pieces if id(piece.param) in states]
+                states.append((piece.param, {key: _as_part(piece, value) for key, value in state.items()}))
+        return states
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> FlatPiece | None:
+        piece = next((piece for piece in self._pieces if piece.param is param), None)
+        if piece is None:
+            return None
+        flat = torch.empty(piece.end - piece.start, dtype=dtype, device=param.device)
+        return FlatPiece(param.shape, piece.start, flat)
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Whole per-parameter states by id(model parameter) → this rank's pieces of them by id(piece)."""
+        """Per-parameter states by id(model parameter) → this rank's pieces of them by id(piece)."""
         pieces = {}
         for piece in self._pieces:
             state = states.get(id(piece.param))
             if state is not None:
-                pieces[id(piece.master)] = {
-                    key: value.reshape(-1)[piece.start : piece.end].clone()
-                    if _elementwise(value, piece.param)
-                    else value
-                    for key, value in state.items()
-                }
+                pieces[id(piece.master)] = {key: _own_part(piece, value) for key, value in state.items()}
         return pieces
-
-    def _elementwise_keys(self, inner_state: dict[Tensor, Any]) -> list[str]:
-        """The state keys shaped like their piece, agreed by every replica (checkpoints only: an object gather)."""
-        mine = sorted(
-            {
-                key
-                for piece in self._pieces
-                for key, value in inner_state.get(piece.master, {}).items()
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == piece.master.shape
-            }
-        )
-        gathered: list[list[str]] = [[] for _ in range(self._replicas)]
-        dist.all_gather_object(gathered, mine, group=self._group())
-        return sorted({key for keys in gathered for key in keys})
-
-    def _state_share(self, bucket: _Bucket, inner_state: dict[Tensor, Any], key: str) -> Tensor:
-        share = torch.zeros_like(bucket.master)
-        for piece in self._pieces:
-            value = inner_state.get(piece.master, {}).get(key)
-            if piece.bucket is bucket and value is not None:
-                share[piece.at : piece.at + piece.end - piece.start].copy_(value)
-        return share
-
-    def _gathered(self, share_of: Any, *, dtype_of: Any) -> Iterator[tuple[_Bucket, Tensor]]:
-        for bucket in self._buckets:
-            dtype = dtype_of(bucket)
-            full = torch.empty(bucket.padded, dtype=dtype, device=bucket.master.device)
-            dist.all_gather_into_tensor(full, share_of(bucket).to(dtype), group=self._group())
-            yield bucket, full
 
     def _group(self) -> dist.ProcessGroup:
         topology = self._run()
@@ -420,10 +414,6 @@ def single_device(params: Sequence[Tensor]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def _elementwise(value: Any, param: Tensor) -> bool:
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == param.numel()
-
-
 def _offsets(params: Sequence[Tensor]) -> list[int]:
     offsets, offset = [], 0
     for param in params:
@@ -434,3 +424,18 @@ def _offsets(params: Sequence[Tensor]) -> list[int]:
 
 def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
     return [flat[o : o + p.numel()].view_as(p) for o, p in zip(_offsets(params), params, strict=True)]
+
+
+def _as_part(piece: _Piece, value: Any) -> Any:
+    """An optimizer state value of ``piece`` as checkpoints store it: an element-wise one as a `FlatPiece`."""
+    elementwise = isinstance(value, Tensor) and value.dim() > 0 and value.shape == piece.master.shape
+    return FlatPiece(piece.param.shape, piece.start, value) if elementwise else value
+
+
+def _own_part(piece: _Piece, value: Any) -> Any:
+    """``piece``'s part of a loaded optimizer state value: its `FlatPiece`, or its range of a whole value."""
+    if isinstance(value, FlatPiece):
+        return value.flat[piece.start - value.start : piece.end - value.start]
+    if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == piece.param.numel():
+        return value.reshape(-1)[piece.start : piece.end].clone()
+    return value

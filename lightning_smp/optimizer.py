@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from lightning_smp.grad_vote import global_grad_norm, vote_overflow
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from lightning_smp.master_shard import HALF_DTYPES, Masters, Run, WholeMasters, single_device
+from lightning_smp.master_shard import HALF_DTYPES, FlatPiece, Masters, Run, WholeMasters, single_device
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -306,23 +306,31 @@ class MasterWeightOptimizer(Optimizer):
         """The model parameters this optimizer updates (through their masters), in its param groups' order."""
         return list(self._masters.params)
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its whole fp32 master (itself when already fp32): checkpoints save and load
-        the master under the parameter's name."""
-        return self._masters.whole_masters()
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        """id(model parameter) → its fp32 master as this rank holds it (whole, a DTensor shard, or a ZeRO-1
+        replica's `FlatPiece`): checkpoints save it under the parameter's name and load into it in place."""
+        return self._masters.master_parts()
 
     @torch.no_grad()
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Set the masters from whole fp32 values by id(model parameter), then the model's parameters from them."""
-        self._masters.load_whole_masters(values)
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        """Set the masters from values by id(model parameter) (whole fp32 tensors, or the parts `master_parts`
+        handed out, loaded in place), then the model's parameters from them. Collective under ZeRO-1."""
+        self._masters.load_masters(values)
 
     def state_by_param(self) -> list[tuple[Tensor, dict[str, Any]]]:
-        """Each model parameter that has optimizer state, with that state shaped like the parameter."""
+        """Each model parameter with optimizer state on this rank, with that state (element-wise values shaped like
+        the parameter, or this replica's `FlatPiece` of them under ZeRO-1)."""
         return self._masters.state_by_param(self._inner.state)
 
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor | FlatPiece | None:
+        """An empty tensor for what this rank holds of an element-wise optimizer state of ``param``, for a
+        checkpoint to load into; None when it holds none."""
+        return self._masters.state_part(param, dtype)
+
     def load_state_by_param(self, states: dict[int, dict[str, Any]], param_groups: Sequence[dict[str, Any]]) -> None:
-        """Set the optimizer state from whole per-parameter states by id(model parameter) and the param groups'
-        hyper-parameters (``param_groups`` without their ``params``); parameters without a state start fresh."""
+        """Set the optimizer state from per-parameter states by id(model parameter) (whole, or the parts `state_part`
+        made) and the param groups' hyper-parameters (``param_groups`` without their ``params``); parameters
+        without a state start fresh."""
         load_state_by_tensor(self._inner, self._masters.state_of_optimized(states), param_groups)
 
     def state_dict(self) -> dict[str, Any]:
@@ -359,7 +367,7 @@ class MasterWeightOptimizer(Optimizer):
             )
         self._inner.load_state_dict(state_dict["optimizer"])
         with torch.no_grad():
-            self._masters.load_whole_masters(
+            self._masters.load_masters(
                 {id(p): m.to(self._found_inf.device) for (p, _), m in zip(pairs, masters, strict=True)}
             )
         if self._loss_scaler is not None:

@@ -158,11 +158,11 @@ class FSDPMasters:
     def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
         return []  # the parameters are the masters: their state dict holds them
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each parameter with itself: the sharded DTensor is the master, and DCP saves it as the whole tensor."""
-        return [(p, p) for p in self.params]
+    def master_parts(self) -> dict[int, Tensor]:
+        """Each parameter itself: the sharded DTensor is the master, and DCP writes and reads its shards."""
+        return {id(p): p for p in self.params}
 
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
+    def load_masters(self, values: dict[int, Tensor]) -> None:
         for param in self.params:
             value = values.get(id(param))
             if value is not None and value is not param:  # a checkpoint loads into the DTensor in place
@@ -170,6 +170,9 @@ class FSDPMasters:
 
     def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
         return [(p, inner_state[p]) for p in self.params if inner_state.get(p)]
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor:
+        return torch.empty_like(param, dtype=dtype)  # a DTensor: DCP reads this rank's shard
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         return states

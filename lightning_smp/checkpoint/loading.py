@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from lightning_smp.checkpoint.dcp_adapter import LoadPlanner, ShardChunks, global_size, state_target, stored
+from lightning_smp.checkpoint.dcp_adapter import Chunks, LoadPlanner, global_size, state_target, stored
 from lightning_smp.checkpoint.names import (
     MODEL,
     OPTIM,
@@ -31,6 +32,7 @@ from lightning_smp.checkpoint.names import (
     optimized_params,
     params_by_name,
     shards_by_name,
+    state_part,
     unwrap,
 )
 from lightning_smp.checkpoint.rng import set_rng_states
@@ -45,6 +47,7 @@ from lightning_smp.checkpoint.verification import (
     reraised_as_checkpoint_error,
     resolve,
 )
+from lightning_smp.master_shard import FlatPiece
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import placement_of
 
@@ -121,15 +124,24 @@ def load(
             record.get("layout"),
             run.get("layout"),
         )
-    meta["state_dict"] = {
-        name[len(MODEL) :]: value.local if isinstance(value, ShardChunks) else value
-        for name, value in targets.items()
-        if name.startswith(MODEL)
-    }
+    meta["state_dict"] = _loaded_state_dict(module, targets)
     if saved_optimizers is None:
         meta.pop("optimizer_states", None)
     meta[RECORD] = record
     return meta
+
+
+def _loaded_state_dict(module: nn.Module, targets: dict[str, Any]) -> dict[str, Any]:
+    """The model entries as loaded, for Lightning's hooks: this rank's tensors (a ZeRO-1 master's piece is given
+    as the model's parameter, which the optimizer has set from the gathered pieces)."""
+    own = module.state_dict(keep_vars=True)
+    loaded = {}
+    for entry, value in targets.items():
+        if entry.startswith(MODEL):
+            name = entry[len(MODEL) :]
+            held = value.local if isinstance(value, Chunks) else value
+            loaded[name] = own[name] if isinstance(held, FlatPiece) else held
+    return loaded
 
 
 def load_plain(
@@ -140,25 +152,24 @@ def load_plain(
     checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
     optimizers = [unwrap(optimizer) for optimizer in optimizers]
     if "state_dict" in checkpoint:
-        masters = masters_by_param(optimizers)
         module.load_state_dict(checkpoint["state_dict"], strict=strict)
         own = module.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, value in checkpoint["state_dict"].items():
-                param = own.get(name)
-                if isinstance(param, Tensor) and id(param) in masters:
-                    masters[id(param)].copy_(value)  # fp32 source, not the rounded half parameter
+        values = {id(own[name]): value for name, value in checkpoint["state_dict"].items() if name in own}
+        for optimizer in optimizers:
+            if isinstance(optimizer, MasterWeightOptimizer):
+                optimizer.load_masters(values)  # fp32 source, not the rounded half parameter
     for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states") or [], strict=False):
         optimizer.load_state_dict(state)
     return checkpoint
 
 
-def _model_targets(module: nn.Module, masters: dict[int, Tensor]) -> dict[str, Any]:
+def _model_targets(module: nn.Module, masters: dict[int, Tensor | FlatPiece]) -> dict[str, Any]:
     """Where each ``model/`` entry loads: the fp32 master of a parameter that has one, else the tensor itself."""
     targets = {}
     for name, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, Tensor):
-            source = masters.get(id(value), value).detach()
+            source = masters.get(id(value), value)
+            source = source.detach() if isinstance(source, Tensor) else source
             targets[f"{MODEL}{name}"] = stored(source, placement_of(value).tp_shard)
         else:
             targets[f"{MODEL}{name}"] = None  # extra state (`get_extra_state`): read back as an object
@@ -205,17 +216,17 @@ def _listing(items: Sequence[str], limit: int = 8) -> str:
 
 
 def _after_model_load(
-    module: nn.Module, optimizers: Sequence[Any], masters: dict[int, Tensor], targets: dict[str, Any]
+    module: nn.Module, optimizers: Sequence[Any], masters: dict[int, Tensor | FlatPiece], targets: dict[str, Any]
 ) -> None:
     """Hand the loaded masters to their optimizers (which set the model's parameters from them); hand extra state
     back to its modules."""
     for optimizer in optimizers:
         if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.load_whole_masters(masters)
+            optimizer.load_masters(masters)
     extra = {
         name[len(MODEL) :]: value
         for name, value in targets.items()
-        if name.startswith(MODEL) and not isinstance(value, Tensor | ShardChunks) and value is not None
+        if name.startswith(MODEL) and not isinstance(value, Tensor | Chunks) and value is not None
     }
     if extra:
         module.load_state_dict(extra, strict=False)
@@ -245,9 +256,12 @@ def _optimizer_plan(index: int, optimizer: Any, module: nn.Module, metadata: Met
             entry = f"{OPTIM}{index}/state/{found}/{key}"
             info = metadata.state_dict_metadata[entry]
             if isinstance(info, BytesStorageMetadata):
-                plan.targets[entry] = None
+                target = None
             else:
-                plan.targets[entry] = state_target(info, params.get(name), shards.get(name))
+                target = state_target(info, params.get(name), shards.get(name), partial(state_part, optimizer, param))
+                if target is None:
+                    continue  # this rank holds none of it (ZeRO-1: another replica's share)
+            plan.targets[entry] = target
             plan.slots[entry] = (param, key)
     return plan
 
@@ -267,7 +281,7 @@ def _load_optimizer(plan: _OptimizerPlan, optimizer: Any, saved: dict[str, Any],
     states: dict[int, dict[str, Any]] = {}
     for entry, (param, key) in plan.slots.items():
         value = targets[entry]
-        states.setdefault(id(param), {})[key] = value.local if isinstance(value, ShardChunks) else value
+        states.setdefault(id(param), {})[key] = value.local if isinstance(value, Chunks) else value
     try:
         load_state_by_param(optimizer, states, saved["param_groups"])
     except ValueError as error:
