@@ -722,12 +722,12 @@ SDP2 = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0,
 
 
 class _FrozenPositionGPT(TinyGPT):
-    """The tiny GPT with its position embedding frozen, yet handed to AdamW(weight_decay=0.1) as users do, in a
-    param group of its own."""
+    """The tiny GPT with its position embedding frozen, yet handed to AdamW(weight_decay=0.1) as users do: with
+    every other parameter, or (``own_group``) in a param group of its own."""
 
-    def __init__(self, batch_size: int = 8) -> None:
+    def __init__(self, batch_size: int = 8, *, own_group: bool = False) -> None:
         super().__init__()
-        self.batch_size = batch_size
+        self.batch_size, self.own_group = batch_size, own_group
 
     def configure_model(self) -> None:
         if self.blocks is None:  # frozen when built; a later fit may find it unfrozen
@@ -738,6 +738,8 @@ class _FrozenPositionGPT(TinyGPT):
         return self.loss(batch)
 
     def configure_optimizers(self):
+        if not self.own_group:
+            return AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         named = dict(self.named_parameters())  # a pipeline stage holds its own part
         frozen = [named.pop("pos.weight")] if "pos.weight" in named else []
         return AdamW([{"params": frozen}, {"params": list(named.values())}], lr=1e-2, weight_decay=0.1)
@@ -760,10 +762,10 @@ def _frozen_weight(model: nn.Module) -> Tensor | None:
     return (weight.to_local() if isinstance(weight, DTensor) else weight).detach().clone()
 
 
-def _fit_frozen(strategy_kwargs: dict, model: _FrozenPositionGPT | None = None) -> dict:
+def _fit_frozen(strategy_kwargs: dict, model: _FrozenPositionGPT | None = None, *, own_group: bool = False) -> dict:
     """One fit: every step's loss (the last stage's, on every rank), the frozen weight as this rank holds it before
     the first step and after the last."""
-    model = model or _FrozenPositionGPT()
+    model = model or _FrozenPositionGPT(own_group=own_group)
     held: dict[str, Tensor] = {}
     losses: list[float] = []
 
@@ -802,10 +804,16 @@ def _frozen_two_ranks(rank: int) -> dict:
         "pp2": {"pipeline_parallel_degree": 2, "microbatches": 2},
     }
     runs = {name: _fit_frozen(kwargs) for name, kwargs in layouts.items()}
+    runs["dp2_zero1_fp16_own_group"] = _fit_frozen({**ZERO1, **FROZEN_FP16}, own_group=True)
     # the same model unfrozen between fits: the next fit trains it (under ZeRO-1: it gets a share of the masters)
     model = runs["dp2_zero1"]["model"]
     model.pos.weight.requires_grad_(True)
     runs["unfrozen"] = _fit_frozen(ZERO1, model)
+    return {name: {k: v for k, v in run.items() if k != "model"} for name, run in runs.items()}
+
+
+def _frozen_one_rank(rank: int) -> dict:
+    runs = {"one": _fit_frozen({}), "one_fp16": _fit_frozen(FROZEN_FP16)}
     return {name: {k: v for k, v in run.items() if k != "model"} for name, run in runs.items()}
 
 
@@ -821,6 +829,7 @@ def _loss(model, batch, step):
 @pytest.mark.timeout(900)
 def test_a_frozen_param_stays_bit_identical_and_the_rest_trains_as_on_one_device_under_every_layout() -> None:
     ranks = run_distributed(_frozen_two_ranks, 2, timeout=600) + run_distributed(_frozen_four_ranks, 4, timeout=400)
+    ranks += run_distributed(_frozen_one_rank, 1, timeout=200)
     references = {
         (replicas, fp16): single_device_run(
             _built_frozen_gpt, _loss, steps=FROZEN_STEPS, replicas=replicas, fp16=fp16, init_scale=2.0**18
@@ -829,7 +838,8 @@ def test_a_frozen_param_stays_bit_identical_and_the_rest_trains_as_on_one_device
         for fp16 in (False, True)
     }
     expected = {"dp2_zero1": (2, False), "dp2_zero1_fp16": (2, True), "sdp2": (2, False), "tp2": (1, False)}
-    expected |= {"pp2": (1, False), "sdp2tp2": (2, False)}
+    expected |= {"pp2": (1, False), "sdp2tp2": (2, False), "one": (1, False), "one_fp16": (1, True)}
+    expected |= {"dp2_zero1_fp16_own_group": (2, True)}
     for name, (replicas, fp16) in expected.items():
         runs = [rank[name] for rank in ranks if name in rank]
         for run in runs:
