@@ -3,6 +3,7 @@ bytes of model state each rank holds, and the errors a user can cause. Every sdp
 parameters kept whole, every step clipped to norm 1.0) on a GPT of torch transformer layers and on a Hugging Face
 Llama, against data parallelism clipping to the same norm."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -21,13 +22,15 @@ from lightning_smp.config import SMPConfig
 from tests.distributed import init_gloo, launch_once, run_distributed
 from tests.gpt import VOCAB, TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
-from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process
+from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process, single_device_run
 
 STEPS = 10
 CLIP = 0.5
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**18, "scale_window": 4}}
 SHARDED = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": CLIP}
 SDP_DEFAULT_CLIP = SMPConfig().sdp_gradient_clipping  # smp's 1.0: every sdp step clips to it
+INIT_SCALE = 2.0**18
+FP16_AS_ONE_DEVICE = {"fp16": True, "dynamic_loss_args": {"init_scale": INIT_SCALE}}  # tests.parity's scale rule
 
 
 class _Recorded:
@@ -153,12 +156,14 @@ def _data_parallel_runs(rank: int) -> dict:
 
 
 def _at_the_defaults(degrees: dict) -> dict:
-    """The GPT and the Llama with every sdp setting at its default, and without sdp clipping to the same norm."""
+    """The GPT (fp32 and fp16) and the Llama with every sdp setting at its default, and without sdp clipping to the
+    same norm."""
     runs = {}
-    for model in (_GPT, _Llama):
-        name = model.__name__.lstrip("_").lower()
-        runs[f"dp_{name}"] = _fit(model(batch_size=4), degrees, clip=SDP_DEFAULT_CLIP)
-        runs[f"sdp_{name}"] = _fit(model(batch_size=4), {**degrees, "sharded_data_parallel_degree": 2}, clip=None)
+    for model, precision, suffix in ((_GPT, {}, ""), (_GPT, FP16_AS_ONE_DEVICE, "_fp16"), (_Llama, {}, "")):
+        name = model.__name__.lstrip("_").lower() + suffix
+        runs[f"dp_{name}"] = _fit(model(batch_size=4), {**degrees, **precision}, clip=SDP_DEFAULT_CLIP)
+        sharded = {**degrees, **precision, "sharded_data_parallel_degree": 2}
+        runs[f"sdp_{name}"] = _fit(model(batch_size=4), sharded, clip=None)
     return runs
 
 
@@ -177,9 +182,6 @@ def _four_rank_runs(rank: int) -> dict:
         torch.manual_seed(0)
         runs[name] = _fit(_Regressor(batch_size=4), kwargs)
     runs |= _at_the_defaults(tp)
-    # fp16 with the tied head: before the units followed the trunk, this ran and ended 12% from one device
-    runs["dp_gpt_fp16"] = _fit(_GPT(batch_size=4), {**tp, **FP16}, clip=SDP_DEFAULT_CLIP)
-    runs["sdp_gpt_fp16"] = _fit(_GPT(batch_size=4), {**tp, **FP16, "sharded_data_parallel_degree": 2}, clip=None)
     return runs
 
 
@@ -233,9 +235,40 @@ def test_sdp2_holds_about_half_the_model_states_of_dp2():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-def test_sdp2_at_its_defaults_matches_dp2_clipping_to_the_same_norm(model):
-    _assert_same_training(_launch(2), f"dp_{model}", f"sdp_{model}", fp16=False)
+@pytest.mark.parametrize(("model", "fp16"), [("gpt", False), ("gpt", True), ("llama", False)])
+def test_sdp2_at_its_defaults_matches_dp2_clipping_to_the_same_norm(model, fp16):
+    suffix = "_fp16" if fp16 else ""
+    _assert_same_training(_launch(2), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16)
+
+
+@functools.cache
+def _one_device_gpt(fp16: bool) -> dict:
+    """The GPT in one process on the global batch of two replicas, clipping every step to smp's sdp norm."""
+
+    def built() -> _GPT:
+        model = _GPT(batch_size=4)
+        model.configure_model()
+        return model
+
+    return single_device_run(
+        built, lambda model, batch, step: model.loss(batch), steps=STEPS, replicas=2, fp16=fp16,
+        init_scale=INIT_SCALE, clip_norm=SDP_DEFAULT_CLIP,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("world", "fp16"), [(2, False), (2, True), (4, False), (4, True)])
+def test_sdp_at_its_defaults_on_a_gpt_of_torch_layers_trains_as_one_device(world, fp16):
+    """sdp2 (world 2) and sdp2 x tp2 (world 4, the head tied to the embedding) with every sdp setting at its default,
+    against the single-process run clipping to the same norm: fp32 to 1e-5, fp16 with the same skipped steps."""
+    run = "sdp_gpt_fp16" if fp16 else "sdp_gpt"
+    ranks, reference = _launch(world), _one_device_gpt(fp16)
+    losses = mean_losses([rank[run] for rank in ranks], steps=STEPS)
+    assert losses == pytest.approx(reference["losses"], rel=FP16_REL if fp16 else FP32_REL)
+    if fp16:
+        assert reference["skipped"] >= 1  # the comparison covers the overflow path
+        for rank in ranks:
+            assert_same_overflow(rank[run], reference)
 
 
 @pytest.mark.timeout(600)
