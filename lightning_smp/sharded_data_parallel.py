@@ -25,7 +25,7 @@ from torch.distributed.utils import _sync_module_states
 from lightning_smp.grad_vote import Counted
 from lightning_smp.master_shard import Run
 from lightning_smp.pipeline.partition import find_trunk
-from lightning_smp.placement import placement_of, set_placement
+from lightning_smp.placement import placement_of, placements_kept
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -44,7 +44,6 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
     """
     if isinstance(model, FSDPModule):
         return  # sharded by an earlier fit/validate of the same model
-    placements = {name: placement_of(param) for name, param in model.named_parameters()}
     _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
     # One mesh description for every whole parameter: FSDP2 groups a unit's parameters by it (torch 2.13's
@@ -54,10 +53,9 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
     def placement(param: nn.Parameter) -> ShardPlacementResult | None:
         return ShardPlacementResult(placement=Shard(0), mesh_info=whole) if keeps_whole(param.numel(), config) else None
 
-    for module in plan_units(model, config):
-        fully_shard(module, mesh=topology.sharding_mesh(), mp_policy=policy, shard_placement_fn=placement)
-    for name, param in model.named_parameters():  # fully_shard made new parameter objects
-        set_placement(param, placements[name])
+    with placements_kept(model):  # fully_shard makes new parameter objects
+        for module in plan_units(model, config):
+            fully_shard(module, mesh=topology.sharding_mesh(), mp_policy=policy, shard_placement_fn=placement)
 
 
 def plan_units(model: nn.Module, config: SMPConfig) -> list[nn.Module]:

@@ -5,7 +5,9 @@ replica's flat piece of a master or of its optimizer state, or both) and our sav
 those chunks up. Not owned: which entries a checkpoint has (`saving.py`, `loading.py`), which piece a rank holds
 (`placement.py`, `master_shard.py`). DCP reads any chunk layout into any other, which is resharding; describing
 our pieces as chunks (packed q/k/v blocks, flat ranges included) gets that without DTensor and without a rank ever
-gathering a whole tensor. The DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are.
+gathering a whole tensor. The DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are, except those
+of a tensor-parallel piece, whose slices become chunks of the global tensor too. Also owns the writer that reports a
+save's progress.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -24,16 +27,20 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
 from torch.distributed.tensor import DTensor
+from torch.futures import Future
 
 from lightning_smp.checkpoint.verification import CheckpointError
 from lightning_smp.master_shard import FlatPiece
 from lightning_smp.placement import TPShard
+from lightning_smp.progress import Progress
 
 __all__ = [
     "Chunks",
     "LoadPlanner",
+    "ReportingWriter",
     "SavePlanner",
     "flat_range_boxes",
     "global_size",
@@ -47,24 +54,26 @@ class Chunks:
     """What this rank holds of a tensor, seen by DCP as chunks of the global tensor (views into ``local``).
 
     ``local`` is a tensor-parallel shard (a `TPShard` keeps piece ``index`` of ``parts`` of each of ``blocks`` equal
-    blocks along ``dim``: one chunk for a plain column/row split, three for a packed q/k/v weight), or a ZeRO-1
-    replica's `FlatPiece` of a tensor (up to one chunk per dim: a flat range of a row-major tensor is a partial row,
-    whole rows, a partial row), or a flat piece of a tensor-parallel shard. DCP asks objects for their chunks
-    through the methods DTensor implements (``__create_write_items__``, ``__create_chunk_list__``); our planners
-    look the chunks up. A rank holding nothing of a tensor has no chunks.
+    blocks along ``dim``: one chunk for a plain column/row split, three for a packed q/k/v weight; under sharded data
+    parallelism the piece is a DTensor of which this rank holds one slice, FSDP2's rows, and the chunks are that
+    slice's parts), or a ZeRO-1 replica's `FlatPiece` of a tensor (up to one chunk per dim: a flat range of a
+    row-major tensor is a partial row, whole rows, a partial row), or a flat piece of a tensor-parallel shard. DCP
+    asks objects for their chunks through the methods DTensor implements (``__create_write_items__``,
+    ``__create_chunk_list__``); our planners look the chunks up. A rank holding nothing of a tensor has no chunks.
     """
 
     def __init__(self, local: Tensor | FlatPiece, size: torch.Size, chunks: dict[torch.Size, Tensor]) -> None:
         self.local = local
         self._size = size
         self._chunks = chunks
+        held = local.flat if isinstance(local, FlatPiece) else local
+        self._properties = TensorProperties.create_from_tensor(held.to_local() if isinstance(held, DTensor) else held)
 
     def size(self) -> torch.Size:
         return self._size
 
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        held = self.local.flat if isinstance(self.local, FlatPiece) else self.local
-        properties = TensorProperties.create_from_tensor(held)
+        properties = self._properties
         return [
             WriteItem(
                 index=MetadataIndex(fqn, offsets),
@@ -86,16 +95,40 @@ class Chunks:
 
 
 class SavePlanner(DefaultSavePlanner):
-    """Our entries are flat already: a dict value (the random generators) is one object, not a subtree."""
+    """Our entries are flat already: a dict value (the random generators) is one object, not a subtree.
+    ``on_tensor(nbytes)`` is called as each tensor is handed to the writer (`ReportingWriter` sets it)."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.on_tensor: Callable[[int], None] = lambda nbytes: None
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
         if isinstance(value, Chunks):
             return value.chunk(index.offset)
         return super().lookup_object(index)
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        data = super().resolve_data(write_item)
+        if isinstance(data, Tensor):
+            self.on_tensor(data.numel() * data.element_size())
+        return data
+
+
+class ReportingWriter(FileSystemWriter):
+    """DCP's file writer (fsync'ing every file) that reports this rank's progress while it writes: lines with the
+    bytes done and the rate, shown on rank 0 (`lightning_smp.progress`), so a long save does not look like a hang."""
+
+    def __init__(self, path: Any, *, what: str) -> None:
+        super().__init__(path, sync_files=True)
+        self._what = what
+
+    def write_data(self, plan: SavePlan, planner: Any) -> Future[list[WriteResult]]:
+        total = sum(_item_bytes(item) for item in plan.items)
+        with Progress(self._what, total) as progress:
+            if isinstance(planner, SavePlanner):
+                planner.on_tensor = progress.advance
+            return super().write_data(plan, planner)  # writes before it returns (one thread: DCP's default)
 
 
 class LoadPlanner(DefaultLoadPlanner):
@@ -119,6 +152,12 @@ class LoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
+def _item_bytes(item: WriteItem) -> int:
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
+
+
 def global_size(value: Any) -> torch.Size:
     return value.size() if isinstance(value, Chunks) else value.shape
 
@@ -131,6 +170,9 @@ def stored(value: Any, shard: TPShard | None) -> Any:
         return _chunks(value, [(o, value.flat[at : at + math.prod(s)].view(s)) for o, s, at in boxes], shard)
     if shard is None or not isinstance(value, Tensor):
         return value
+    if isinstance(value, DTensor):  # sdp x tp: this rank's slice (FSDP2's rows) of the tensor-parallel piece
+        (held,) = value.__create_chunk_list__()
+        return _chunks(value, [(torch.Size(held.offsets), value.to_local())], shard)
     return _chunks(value, [(torch.Size([0] * value.dim()), value)], shard)
 
 
@@ -160,9 +202,9 @@ def state_target(
     it (``empty_part(dtype)``: an empty tensor shaped like the parameter, a DTensor shard, or a `FlatPiece`), as
     chunks; None when this rank holds none of it (nothing to read); otherwise the whole saved tensor."""
     dtype = info.properties.dtype
-    if isinstance(param, DTensor):  # sharded data parallelism: DCP reads this rank's shard of the DTensor
-        like_param, shard = tuple(info.size) == tuple(param.shape), None
-    else:
+    if isinstance(param, DTensor) and shard is None:  # sharded data parallelism: DCP reads this rank's shard
+        like_param = tuple(info.size) == tuple(param.shape)
+    else:  # under sdp x tp, this rank's slice of the tensor-parallel piece as chunks of the global tensor
         like_param = param is not None and tuple(info.size) == tuple(global_size(stored(param, shard)))
     if not like_param:
         return torch.empty(info.size, dtype=dtype)
