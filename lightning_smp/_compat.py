@@ -27,6 +27,7 @@ from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.distributed_c10d import _set_pg_timeout
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.utils import _sync_module_states
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils._device import _device_constructors
@@ -41,6 +42,8 @@ __all__ = [
     "MODULE_TABLES",
     "REBUILD_TENSOR",
     "BatchNormBase",
+    "HSDPMeshInfo",
+    "ShardPlacementResult",
     "TorchDispatchMode",
     "after_closure",
     "buffer_table",
@@ -103,6 +106,10 @@ unflatten_dense_tensors = _unflatten_dense_tensors
 
 sync_module_states = _sync_module_states
 """Broadcast a module's parameters and buffers from ``src`` over a group, in buckets (what DDP runs at wrap)."""
+
+# HSDPMeshInfo, ShardPlacementResult (imported above): what ``fully_shard(shard_placement_fn=...)`` returns to put a
+# parameter on a mesh of its own (sharded data parallelism keeps a small parameter whole inside its unit, as smp's
+# ``sdp_param_persistence_threshold`` did); documented with ``shard_placement_fn``, not exported.
 
 set_process_group_timeout = _set_pg_timeout
 """``(timeout, group)``: the timeout of an existing group (DeviceMesh creates its groups with the default one)."""

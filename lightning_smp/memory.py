@@ -3,10 +3,10 @@
 Owns the arithmetic only: bytes per element of parameters, gradients, fp32 masters and optimizer state, the
 activation estimate of Korthikanti et al. 2022 (Table 2), whether the largest rank fits a device, and the search
 over layouts for a device count. What a rank holds is not re-derived here: the package's own pure plans run on the
-model (best built on the meta device) — ``plan_tensor_parallel`` says which parameters each tensor-parallel rank
-keeps 1/tp of, ``plan_layout`` (the pipeline engine's own plan: trunk, partition, what lies outside it) which
-stages keep each parameter, the pipeline schedule how many microbatches a stage holds at once — so the estimate
-follows the code that trains.
+model (best built on the meta device) — `lightning_smp.build.plan`, the one the strategy applies, says which
+parameters each tensor-parallel rank keeps 1/tp of, which trunk children each stage keeps, which stages keep the
+modules outside the trunk and which modules sharded data parallelism shards; the pipeline schedule how many
+microbatches a stage holds at once — so the estimate follows the code that trains.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_smp import build
 from lightning_smp._compat import BatchNormBase
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
-from lightning_smp.pipeline.layout import PipelineLayout, plan_layout
-from lightning_smp.sharded_data_parallel import plan_units
-from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
+from lightning_smp.pipeline.layout import PipelineLayout
+from lightning_smp.sharded_data_parallel import keeps_whole
 from lightning_smp.topology import rank_groups
 
 __all__ = [
@@ -50,10 +50,11 @@ _SHARDED_ASSUMPTION = (
 _SDP_ASSUMPTION = (
     "sharded_data_parallel_degree: the parameters of each sharded unit (a trunk child, the root's rest) are held as "
     "fp32 shards of 1/sdp (dim 0 split, rounded up), which are the masters, with fp32 gradient shards and fp32 Adam "
-    "state over them; modules kept whole (sdp_param_persistence_threshold) hold all of their fp32 parameters, "
-    "gradients and state; the step buffer is the largest unit gathered for compute: its parameters and gradients in "
-    "the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the next unit "
-    "prefetched while one computes, the root kept gathered between forward and backward, the communication buffers"
+    "state over them; parameters kept whole (below sdp_param_persistence_threshold) are held whole in fp32, with "
+    "their gradients and state; the step buffer is the largest unit gathered for compute: its parameters and "
+    "gradients in the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the "
+    "next unit prefetched while one computes, the root kept gathered between forward and backward, the "
+    "communication buffers"
 )
 _TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
@@ -345,8 +346,12 @@ def _report(
     sequence_length: int | None,
 ) -> MemoryReport:
     params = _named_parameters(model)
-    sharded = _tensor_parallel_shards(model, layout.tp, config, params)
-    placement = _Placement.of(model, layout.pp, config)
+    built = build.plan(model, config=config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp)
+    sharded = set(built.split_ids)
+    pipeline = None
+    if built.partition is not None and built.outside is not None:
+        pipeline = PipelineLayout(built.partition, built.outside)
+    placement = _Placement(layout.pp, pipeline)
 
     fp32_owners = {id(p) for m in model.modules() if isinstance(m, BatchNormBase) for p in m.parameters()}
     half = config.half_dtype
@@ -356,7 +361,7 @@ def _report(
     ranks = []
     for stage in range(layout.pp):
         if layout.sdp > 1:  # pp = 1, as the config requires
-            count, step_buffer = _sharded_data_parallel(model, params, sharded, layout, config)
+            count, step_buffer = _sharded_data_parallel(built.shard_units, params, sharded, layout, config)
         else:
             count, step_buffer = _stage_states(stage, params, sharded, held, fp32_owners, layout, half)
         ranks.append(
@@ -410,20 +415,18 @@ def _stage_states(
 
 
 def _sharded_data_parallel(
-    model: nn.Module,
+    plan: Sequence[tuple[nn.Module, bool]],
     params: dict[int, tuple[nn.Parameter, list[str]]],
     tensor_parallel: set[int],
     layout: Layout,
     config: SMPConfig,
 ) -> tuple[dict[str, int], int]:
-    """A rank's model states under ``sharded_data_parallel_degree`` (the units of `plan_units`, as ``shard`` wraps
-    them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
-    parameter, whole ones for the modules kept whole; and the step buffer of the largest unit gathered."""
-    plan = plan_units(model, config)
-    whole = {id(p) for module, is_sharded in plan if not is_sharded for p in module.parameters(recurse=False)}
+    """A rank's model states under ``sharded_data_parallel_degree`` (the units of the build's ``plan``, as ``shard``
+    wraps them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
+    parameter, whole ones for the parameters kept whole; and the step buffer of the largest unit gathered."""
     unit_of: dict[int, int] = {}
-    for index, (module, is_sharded) in enumerate(plan):  # descendants first: a parameter's innermost unit
-        for param in module.parameters() if is_sharded else ():
+    for index, module in enumerate(plan):  # trunk children first: a parameter's own unit
+        for param in module.parameters():
             unit_of.setdefault(id(param), index)
     count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
     gathered: dict[int, int] = {}  # unit → bytes gathered for its compute (parameters, gradients, fp32 reduce input)
@@ -431,9 +434,10 @@ def _sharded_data_parallel(
     compute = _MASTER_BYTES if half is None else half.itemsize
     for key, (param, _) in params.items():
         elements = param.numel() // layout.tp if key in tensor_parallel else param.numel()
-        local = elements if key in whole else -(-elements // layout.sdp)
+        whole = keeps_whole(elements, config)
+        local = elements if whole else -(-elements // layout.sdp)
         count["parameters"] += local * _MASTER_BYTES
-        if key not in whole:
+        if not whole:
             per_element = compute + (
                 (compute + (_MASTER_BYTES if half is not None else 0)) if param.requires_grad else 0
             )
@@ -473,28 +477,12 @@ def _named_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[st
     return found
 
 
-def _tensor_parallel_shards(
-    model: nn.Module, tp: int, config: SMPConfig, params: dict[int, tuple[nn.Parameter, list[str]]]
-) -> set[int]:
-    """Ids of the parameters each tensor-parallel rank holds 1/tp of (what ``parallelize`` would split)."""
-    plan = plan_tensor_parallel(model, tp_size=tp, patterns=config.tensor_parallel_plan)
-    if tp == 1:
-        return set()
-    return {key for key, (_, names) in params.items() if any(name in plan.sharded_specs for name in names)}
-
-
 @dataclass(frozen=True)
 class _Placement:
-    """Which pipeline stages hold a parameter or module: the layout the pipeline engine plans (`plan_layout`)."""
+    """Which pipeline stages hold a parameter or module: the `PipelineLayout` the pipeline engine keeps."""
 
     stages: int
     layout: PipelineLayout | None = None
-
-    @classmethod
-    def of(cls, model: nn.Module, stages: int, config: SMPConfig) -> _Placement:
-        if stages == 1:
-            return cls(1)
-        return cls(stages, plan_layout(model, stages=stages, config=config))
 
     def stages_of(self, names: Sequence[str]) -> set[int]:
         """The stages holding what is registered under ``names`` (parameter or module names)."""

@@ -143,6 +143,15 @@ def test_torch_flat_buffers_and_module_state_sync():
     assert list(inspect.signature(DeviceMesh._unflatten).parameters)[1:4] == ["dim", "mesh_sizes", "mesh_dim_names"]
 
 
+def test_torch_fsdp_per_parameter_placement():
+    from torch.distributed.fsdp import fully_shard
+
+    assert "shard_placement_fn" in inspect.signature(fully_shard).parameters
+    fields = {"mesh", "shard_mesh_dim", "replicate_mesh_dim"}
+    assert fields <= set(inspect.signature(_compat.HSDPMeshInfo).parameters)
+    assert set(inspect.signature(_compat.ShardPlacementResult).parameters) == {"placement", "mesh_info"}
+
+
 def test_torch_modules_and_their_tables():
     assert all(issubclass(c, _compat.BatchNormBase) for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm))
     linear = nn.Linear(2, 3)

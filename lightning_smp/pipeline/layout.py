@@ -4,9 +4,8 @@ Owns the one answer that the engine (what this stage trains), checkpoints (each 
 stage that trains it) and the memory planner (what each stage holds) read: trunk children by the partition plan;
 outside the trunk by the outside plan (before it: the first stage; after it: the last; a tied weight: both, the
 first trains it); a parameter set directly on the trunk's ancestors on every stage, trained by the stage whose
-step uses it, which `learn_shared_owners` finds at the first synchronised step. `plan_layout` plans a model's
-layout for a run (reads the model, changes nothing). Not owned: the partition's rules (`partition.py`), routing
-on a rank (`stage.py`).
+step uses it, which `learn_shared_owners` finds at the first synchronised step. Not owned: the plans themselves
+(`lightning_smp.build` makes them, by `partition.py`'s rules), routing on a rank (`stage.py`).
 """
 
 from __future__ import annotations
@@ -14,26 +13,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_smp.pipeline.partition import (
-    OutsidePlan,
-    PartitionPlan,
-    describe_children,
-    find_trunk,
-    plan_configured_partition,
-    plan_outside,
-)
-from lightning_smp.pipeline.trace import measure_children
+from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan
 
-if TYPE_CHECKING:
-    from lightning_smp.config import SMPConfig
-
-__all__ = ["PipelineLayout", "learn_shared_owners", "plan_layout"]
+__all__ = ["PipelineLayout", "learn_shared_owners"]
 
 
 @dataclass(frozen=True)
@@ -83,29 +70,6 @@ class PipelineLayout:
     def _trunk_child(self, name: str) -> int | None:
         prefix = f"{self.plan.trunk}."
         return int(name[len(prefix) :].split(".")[0]) if name.startswith(prefix) else None
-
-
-def plan_layout(module: nn.Module, *, stages: int, config: SMPConfig) -> PipelineLayout:
-    """Plan the pipeline layout of ``module`` for a run: find the trunk, cost its children (measured on
-    ``example_input_array`` when the module has one and is not on the meta device), partition it with the run's
-    settings and place the rest. Refuses a stage that would hold no parameters."""
-    trunk_name, trunk = find_trunk(module, config.pipeline_module)
-    children = describe_children(trunk, trunk_name)
-    if getattr(module, "example_input_array", None) is not None and not any(p.is_meta for p in trunk.parameters()):
-        # On the meta device (delayed initialisation) nothing can run yet: the cost model counts parameters.
-        children = measure_children(module, trunk, children, module.example_input_array)
-    plan = plan_configured_partition(trunk_name, trunk, children, stages=stages, config=config)
-    outside = plan_outside(module, plan)
-    trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
-    per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
-    if 0 in per_stage:
-        empty = per_stage.index(0)
-        raise ValueError(
-            f"pipeline stage {empty} would hold no parameters ({plan.table().splitlines()[2 + empty]}), "
-            "and torch optimizers refuse an empty parameter list. Give every stage a child with parameters "
-            f"with partition=(...) (now {plan.sizes}), or use fewer stages."
-        )
-    return PipelineLayout(plan, outside)
 
 
 def learn_shared_owners(

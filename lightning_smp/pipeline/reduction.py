@@ -37,6 +37,7 @@ class StageGradientReduction:
 
     def __call__(self, *, tied: Sequence[nn.Parameter], trained: Sequence[nn.Parameter]) -> None:
         """Reduce in place: ``tied`` (empty on stages between the first and the last), then ``trained``."""
+        tied = [p for p in tied if p.requires_grad]  # a frozen one gets no grad, as on one device
         if tied:
             for param in tied:
                 if param.grad is None:

@@ -30,10 +30,10 @@ from torch import Tensor, nn
 
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.held_gradients import HeldGradients
-from lightning_smp.pipeline.layout import PipelineLayout, learn_shared_owners, plan_layout
+from lightning_smp.pipeline.layout import PipelineLayout, learn_shared_owners
 from lightning_smp.pipeline.microbatch import split_batch
 from lightning_smp.pipeline.p2p import NOTHING, Transport
-from lightning_smp.pipeline.partition import PartitionPlan, bytes_per_param
+from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan, bytes_per_param
 from lightning_smp.pipeline.reduction import StageGradientReduction
 from lightning_smp.pipeline.results import Results, StepRecord
 from lightning_smp.pipeline.split_backward import BackwardSplitter, WeightGradients
@@ -49,17 +49,28 @@ __all__ = ["PipelineEngine", "build_engine"]
 log = logging.getLogger(__name__)
 
 
-def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPConfig) -> PipelineEngine:
-    """Plan the pipeline layout of ``module``, print it (rank 0), keep this rank's stage in ``module`` (in place:
-    other stages' trunk children become placeholders) and return the engine that runs its steps."""
+def build_engine(
+    module: pl.LightningModule, *, topology: Topology, config: SMPConfig, plan: PartitionPlan, outside: OutsidePlan
+) -> PipelineEngine:
+    """Print the partition ``plan`` (rank 0), keep this rank's stage of it in ``module`` (in place: other stages'
+    trunk children and the modules ``outside`` the trunk that it does not hold become placeholders) and return the
+    engine that runs its steps. The plan is `lightning_smp.build`'s."""
     if not module.automatic_optimization:
         raise ValueError(
             "pipeline_parallel_degree > 1 runs forward and backward of every microbatch inside the step, which "
             "needs automatic optimization; remove `self.automatic_optimization = False` (with one optimizer) or "
             "set pipeline_parallel_degree=1."
         )
-    layout = plan_layout(module, stages=topology.pp, config=config)
-    plan, outside = layout.plan, layout.outside
+    trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
+    per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
+    if 0 in per_stage:
+        empty = per_stage.index(0)
+        raise ValueError(
+            f"pipeline stage {empty} would hold no parameters ({plan.table().splitlines()[2 + empty]}), "
+            "and torch optimizers refuse an empty parameter list. Give every stage a child with parameters "
+            f"with partition=(...) (now {plan.sizes}), or use fewer stages."
+        )
+    layout = PipelineLayout(plan, outside)
     rank_zero_info(
         plan.table(
             outside=outside.params_per_stage, bytes_per_param=bytes_per_param(config.half_dtype or torch.float32)
@@ -108,7 +119,7 @@ class PipelineEngine:
 
     Args:
         module: the LightningModule, holding this rank's stage.
-        layout: where every parameter lives (`plan_layout`).
+        layout: where every parameter lives (`PipelineLayout`, of `lightning_smp.build`'s plan).
         router: routes the trunk's children on this rank.
         topology: the run's process groups.
         config: the run's settings.
