@@ -42,6 +42,7 @@ _OWN_EQUIVALENTS = {
     "partition": "`smp.partition(i)` / `smp.set_partition(module, i)` with `auto_partition: False`",
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
+    "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
 }
 
 

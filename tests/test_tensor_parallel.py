@@ -25,6 +25,7 @@ from torchmetrics import SumMetric
 
 from lightning_smp import SMPStrategy, smp
 from lightning_smp.tensor_parallel import gather_shards, shard_of
+from lightning_smp.tensor_parallel.comm import ShapeOnlyGroup, split_sequence
 from tests.distributed import init_gloo, run_distributed
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses
@@ -39,10 +40,13 @@ PLAN = {"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"}
 class _TinyGPT(pl.LightningModule):
     """A GPT-like model from torch layers; ``vocab_parallel`` swaps in smp.nn's embedding and LM head."""
 
-    def __init__(self, per_rank_batch: int, *, vocab_parallel: bool = False) -> None:
+    def __init__(
+        self, per_rank_batch: int, *, vocab_parallel: bool = False, dropout: float = 0.0, checkpointing: bool = False
+    ) -> None:
         super().__init__()
         self.per_rank_batch = per_rank_batch
         self.vocab_parallel = vocab_parallel
+        self.dropout, self.checkpointing = dropout, checkpointing
         self.blocks: nn.ModuleList | None = None
         self.samples = SumMetric()
         self.losses: list[float] = []
@@ -57,13 +61,17 @@ class _TinyGPT(pl.LightningModule):
             self.pos = nn.Embedding(SEQ, D)
             self.blocks = nn.ModuleList(
                 nn.TransformerEncoderLayer(
-                    D, HEADS, 4 * D, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
+                    D, HEADS, 4 * D, dropout=self.dropout, activation="gelu", batch_first=True, norm_first=True
                 )
                 for _ in range(LAYERS)
             )
             self.norm = nn.LayerNorm(D)
             self.head = smp.nn.DistributedLMHead(D, VOCAB) if self.vocab_parallel else nn.Linear(D, VOCAB, bias=False)
         self.head.weight = self.tok.weight  # tied
+        for block in self.blocks:  # dropout on the residual stream only: the same masks as on one device
+            block.dropout.p, block.self_attn.dropout = 0.0, 0.0
+        if self.checkpointing:
+            smp.set_activation_checkpointing(self.blocks)
 
     def forward(self, ids: Tensor) -> Tensor:
         h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # (B, T, D)
@@ -170,17 +178,40 @@ class _Record(Callback):
             self.norms.append(optimizer.clip_master_grads(math.inf).item())
 
 
+class _LastBlockInput(Callback):
+    """The shape of what the last block takes in (its first norm's input; under pp2, what the last stage received)."""
+
+    shape: tuple[int, ...] | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        norm = getattr(pl_module.blocks[-1], "norm1", None)  # the GPT's (the MLP regressor's blocks have none)
+        if norm is not None:
+            norm.register_forward_pre_hook(self._record)
+
+    def _record(self, module, args):
+        self.shape = tuple(args[0].shape)
+
+
 def _fit(
-    rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: str | None = None, validate: bool = False
+    rank: int,
+    model: pl.LightningModule,
+    strategy_kwargs: dict,
+    *,
+    warns: str | None = None,
+    validate: bool = False,
+    **trainer_kwargs,
 ) -> dict:
-    recorder = _Record(gradients=not strategy_kwargs.get("fp16"))
+    pipelined = strategy_kwargs.get("pipeline_parallel_degree", 1) > 1  # rank 0 holds stage 0's parameters only
+    recorder = _Record(gradients=not strategy_kwargs.get("fp16") and not pipelined)
+    block_input = _LastBlockInput()
     trainer = quiet_trainer(
         SMPStrategy(**strategy_kwargs),
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=STEPS,
-        callbacks=[recorder],
+        callbacks=[recorder, block_input],
         num_sanity_val_steps=0,
         check_val_every_n_epoch=2,  # validation runs once, after fit (a second setup of the split model)
+        **trainer_kwargs,
     )
     with pytest.warns(UserWarning, match=warns) if warns and rank == 0 else nullcontext():
         trainer.fit(model)
@@ -199,6 +230,7 @@ def _fit(
         "samples": samples,
         "local_params": sum(p.numel() for p in model.parameters()),
         "sharded": sorted(name for name, p in model.named_parameters() if shard_of(p) is not None),
+        "last_block_input": block_input.shape,
     }
 
 
@@ -225,7 +257,38 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
             results[f"gpt_fp16_{key}"] = _fit(rank, _TinyGPT(batch), {**FP16, **degree}, warns=warning)
             results[f"mlp_{key}"] = _fit(rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN})
             results[f"vocab_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), degree)
+    for name, (dropout, strategy_kwargs) in _SEQUENCE_RUNS[world].items():
+        model = _TinyGPT(GLOBAL_BATCH, dropout=dropout, checkpointing=True)
+        results[name] = _fit(rank, model, strategy_kwargs, validate=True, gradient_clip_val=CLIP)
     return results
+
+
+# Sequence parallelism, with dropout on the residual stream (the masks of one device), activation checkpointing and
+# gradient clipping: name -> (dropout, strategy settings). Pipeline stages draw their dropout in another order than
+# one device, so the pipelined runs with dropout are compared with the same layout without sequence parallelism.
+CLIP, DROPOUT = 0.5, 0.2
+SP, PP2_TP2 = (
+    {"sequence_parallel": True},
+    {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
+)
+_SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
+    1: {
+        "sp_reference": (DROPOUT, {}),
+        "sp_reference_fp16": (DROPOUT, FP16),
+        "sp_reference_no_dropout": (0.0, {}),
+        "sp_reference_fp16_no_dropout": (0.0, FP16),
+    },
+    2: {
+        "sp_tp2": (DROPOUT, {**SP, "tensor_parallel_degree": 2}),
+        "sp_tp2_fp16": (DROPOUT, {**SP, **FP16, "tensor_parallel_degree": 2}),
+    },
+    4: {
+        "sp_pp2_tp2": (0.0, {**SP, **PP2_TP2}),
+        "sp_pp2_tp2_fp16": (0.0, {**SP, **FP16, **PP2_TP2}),
+        "sp_pp2_tp2_dropout": (DROPOUT, {**SP, **PP2_TP2}),
+        "pp2_tp2_dropout": (DROPOUT, PP2_TP2),
+    },
+}
 
 
 _LAYOUTS = {1: [(1, True)], 2: [(2, True)], 4: [(4, False), (2, False)]}
@@ -236,7 +299,7 @@ def launch(world: int) -> list[dict]:
     """Every multi-process record of one world size, from one launch per test session (the first caller waits)."""
     if world not in _launched:
         try:
-            _launched[world] = run_distributed(_run_all, world, _LAYOUTS[world], timeout=240)
+            _launched[world] = run_distributed(_run_all, world, _LAYOUTS[world], timeout=420)
         except BaseException as error:  # a failed launch fails every test that reads it, without relaunching
             _launched[world] = error
     outcome = _launched[world]
@@ -308,3 +371,54 @@ def test_vocab_parallel_embedding_tied_to_the_lm_head_matches_one_process():
     runs = [rank["vocab_tp2_dp1"] for rank in launch(2)]
     _assert_matches(runs, launch(1)[0]["vocab_tp1_dp1"])
     assert "tok.weight" in runs[0]["sharded"]  # split once, still tied to the head
+
+
+# -- sequence parallelism -------------------------------------------------------------------------------------
+
+
+def _step_losses(run: dict) -> list[float]:
+    """Per-step losses of a rank's record: the mean over the step's microbatches where a pipeline splits it."""
+    per_step = len(run["losses"]) // STEPS
+    return [sum(run["losses"][i : i + per_step]) / per_step for i in range(0, len(run["losses"]), per_step)]
+
+
+@pytest.mark.timeout(500)
+def test_sequence_parallel_tp2_matches_one_process_with_dropout_checkpointing_and_clipping():
+    reference = launch(1)[0]["sp_reference"]
+    runs = [rank["sp_tp2"] for rank in launch(2)]
+    _assert_matches(runs, reference)  # losses, validation loss, every gathered gradient (norms summed over tp)
+    assert runs[0]["last_block_input"] == (GLOBAL_BATCH, SEQ // 2, D)  # blocks pass each other their slice
+    reference = launch(1)[0]["sp_reference_fp16"]
+    assert reference["skipped"] >= 1
+    for run in (rank["sp_tp2_fp16"] for rank in launch(2)):
+        assert_fp16_matches(run, reference)
+        assert run["norms"] == pytest.approx(reference["norms"], rel=FP16_REL)  # norms and biases counted once
+
+
+@pytest.mark.timeout(500)
+def test_sequence_parallel_pp2_tp2_matches_one_process_and_sends_slices_between_stages():
+    runs = launch(4)
+    for name, reference in (
+        ("sp_pp2_tp2", "sp_reference_no_dropout"),
+        ("sp_pp2_tp2_fp16", "sp_reference_fp16_no_dropout"),
+    ):
+        reference = launch(1)[0][reference]
+        last = runs[-1][name]  # the last stage's ranks compute the loss
+        if "fp16" in name:
+            assert reference["skipped"] >= 1 and last["skipped"] == reference["skipped"]
+            assert _step_losses(last) == pytest.approx(reference["losses"], rel=FP16_REL)
+        else:
+            assert _step_losses(last) == pytest.approx(reference["losses"], rel=FP32_REL)
+            assert last["val_loss"] == pytest.approx(reference["val_loss"], rel=FP32_REL)
+    # the last stage receives blocks.0's output from stage 0: one microbatch's slice of the sequence
+    assert runs[-1]["sp_pp2_tp2"]["last_block_input"] == (GLOBAL_BATCH // 2, SEQ // 2, D)
+    # dropout: with and without sequence parallelism the same masks, hence the same losses
+    assert runs[-1]["sp_pp2_tp2_dropout"]["losses"] == pytest.approx(
+        runs[-1]["pp2_tp2_dropout"]["losses"], rel=FP32_REL
+    )
+    assert runs[-1]["pp2_tp2_dropout"]["losses"] != pytest.approx(runs[-1]["sp_pp2_tp2"]["losses"], rel=1e-3)
+
+
+def test_a_sequence_that_does_not_split_evenly_names_the_fix():
+    with pytest.raises(ValueError, match=r"sequence length 10 \(dim 1\), not a multiple of 4.*sequence_parallel=False"):
+        split_sequence(torch.zeros(2, 10, 8), ShapeOnlyGroup(rank=0, size=4), dim=1)

@@ -154,6 +154,7 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
+        query, key, value = self._enter(query, key, value, tp)  # under sequence parallelism: the whole query
         tgt_len, bsz, embed_dim = query.shape
         if embed_dim != self.embed_dim:
             raise ValueError(f"query has embedding dim {embed_dim}, but this attention layer expects {self.embed_dim}.")
@@ -171,7 +172,7 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
         elif key_padding_mask is not None:
             is_causal = False  # the merged mask is no longer causal
 
-        q, k, v = self._in_projection(query, key, value, tp)  # (L, N, E/tp), (S, N, E/tp), (S, N, E/tp)
+        q, k, v = self._in_projection(query, key, value)  # (L, N, E/tp), (S, N, E/tp), (S, N, E/tp)
         src_len = k.shape[0]
         if attn_mask is not None:
             attn_mask = _local_attn_mask(attn_mask, bsz, self.num_heads, first_head, heads, tgt_len, src_len)
@@ -211,7 +212,7 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
                 with tp.rng.fork(weights.device):
                     weights = F.dropout(weights, p=dropout_p)
             output = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len * bsz, heads * head_dim)
-            output = self.out_proj(output).view(tgt_len, bsz, self.embed_dim)
+            output = self.out_proj(output).view(-1, bsz, self.embed_dim)  # (L or L/tp, N, E)
             weights = weights.view(bsz, heads, tgt_len, src_len)
             if average_attn_weights:  # the mean over all heads: a sum over ranks of local sums
                 weights = reduce_from_region(weights.sum(dim=1) / self.num_heads, tp.group)
@@ -235,16 +236,23 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
         else:
             output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)  # (N, H/tp, L, d)
         output = output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, heads * head_dim)
-        output = self.out_proj(output).view(tgt_len, bsz, self.embed_dim)  # row-parallel: whole output
+        output = self.out_proj(output).view(-1, bsz, self.embed_dim)  # row-parallel: (L, N, E), or (L/tp, N, E)
         if not is_batched:
             output = output.squeeze(1)
         return output, None
 
-    def _in_projection(self, query: Tensor, key: Tensor, value: Tensor, tp: TensorParallel) -> tuple[Tensor, ...]:
-        """This rank's q, k, v: column-parallel projections of the whole inputs (one all-reduce backward each)."""
-        q_in = copy_to_region(query, tp.group)
+    @staticmethod
+    def _enter(query: Tensor, key: Tensor, value: Tensor, tp: TensorParallel) -> tuple[Tensor, Tensor, Tensor]:
+        """The whole inputs of the column-parallel q, k, v projections (one all-reduce backward each). Under sequence
+        parallelism the query arrives as this rank's slice of the sequence (dim 0) and is all-gathered; a key or
+        value that is not the query (cross-attention's memory) arrives whole."""
+        q_in = tp.column_input(query)
         k_in = q_in if key is query else copy_to_region(key, tp.group)
         v_in = k_in if value is key else (q_in if value is query else copy_to_region(value, tp.group))
+        return q_in, k_in, v_in
+
+    def _in_projection(self, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, ...]:
+        """This rank's q, k, v from the entered inputs (`_enter`)."""
         if not self._packed_qkv:
             biases = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
             weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
