@@ -265,7 +265,7 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
 
 # Sequence parallelism, with dropout on the residual stream (the masks of one device), activation checkpointing and
 # gradient clipping: name -> (dropout, strategy settings). Pipeline stages draw their dropout in another order than
-# one device, so the pipelined runs with dropout are compared with the same layout without sequence parallelism.
+# one device, so the pipelined runs go without (tests/test_tensor_parallel_layers.py checks the masks of a region).
 CLIP, DROPOUT = 0.5, 0.2
 SP, PP2_TP2 = (
     {"sequence_parallel": True},
@@ -285,8 +285,6 @@ _SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
     4: {
         "sp_pp2_tp2": (0.0, {**SP, **PP2_TP2}),
         "sp_pp2_tp2_fp16": (0.0, {**SP, **FP16, **PP2_TP2}),
-        "sp_pp2_tp2_dropout": (DROPOUT, {**SP, **PP2_TP2}),
-        "pp2_tp2_dropout": (DROPOUT, PP2_TP2),
     },
 }
 
@@ -326,7 +324,7 @@ def _assert_matches(runs: list[dict], reference: dict, *, rel: float = FP32_REL)
 # Each test may be the first to need a launch (~10-30 s on two shared cores): the timeouts cover one.
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_gpt_tp2_fp32_matches_one_process():
     reference = launch(1)[0]["gpt_tp1_dp1"]
     runs = [rank["gpt_tp2_dp1"] for rank in launch(2)]
@@ -337,7 +335,7 @@ def test_gpt_tp2_fp32_matches_one_process():
     assert runs[0]["samples"] == runs[1]["samples"] == STEPS * GLOBAL_BATCH  # torchmetrics counts each sample once
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", ["tp4_dp1", "tp2_dp2"])
 def test_gpt_tp4_and_dp2_tp2_fp32_match_one_process(layout):
     reference = launch(1)[0]["gpt_tp1_dp1"]
@@ -346,7 +344,7 @@ def test_gpt_tp4_and_dp2_tp2_fp32_match_one_process(layout):
     assert all(run["samples"] == STEPS * GLOBAL_BATCH for run in runs)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_gpt_tp2_fp16_matches_one_process_with_the_same_skipped_steps():
     reference = launch(1)[0]["gpt_fp16_tp1_dp1"]
     runs = [rank["gpt_fp16_tp2_dp1"] for rank in launch(2)]
@@ -358,7 +356,7 @@ def test_gpt_tp2_fp16_matches_one_process_with_the_same_skipped_steps():
     assert all(torch.equal(runs[0]["initial"][name], value) for name, value in reference["initial"].items())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
     runs = [rank["mlp_tp2_dp1"] for rank in launch(2)]
     _assert_matches(runs, launch(1)[0]["mlp_tp1_dp1"])
@@ -366,7 +364,7 @@ def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
     assert runs[0]["sharded"] == expected
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_vocab_parallel_embedding_tied_to_the_lm_head_matches_one_process():
     runs = [rank["vocab_tp2_dp1"] for rank in launch(2)]
     _assert_matches(runs, launch(1)[0]["vocab_tp1_dp1"])
@@ -412,11 +410,6 @@ def test_sequence_parallel_pp2_tp2_matches_one_process_and_sends_slices_between_
             assert last["val_loss"] == pytest.approx(reference["val_loss"], rel=FP32_REL)
     # the last stage receives blocks.0's output from stage 0: one microbatch's slice of the sequence
     assert runs[-1]["sp_pp2_tp2"]["last_block_input"] == (GLOBAL_BATCH // 2, SEQ // 2, D)
-    # dropout: with and without sequence parallelism the same masks, hence the same losses
-    assert runs[-1]["sp_pp2_tp2_dropout"]["losses"] == pytest.approx(
-        runs[-1]["pp2_tp2_dropout"]["losses"], rel=FP32_REL
-    )
-    assert runs[-1]["pp2_tp2_dropout"]["losses"] != pytest.approx(runs[-1]["sp_pp2_tp2"]["losses"], rel=1e-3)
 
 
 def test_a_sequence_that_does_not_split_evenly_names_the_fix():

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
@@ -23,6 +24,7 @@ from lightning_smp.tensor_parallel.comm import (
     ShapeOnlyGroup,
     copy_to_region,
     gather_sequence,
+    gather_sequence_linear,
     reduce_from_region,
     reduce_scatter_sequence,
 )
@@ -74,6 +76,14 @@ class TensorParallel:
         if sequence is None:
             return copy_to_region(input, self.group)
         return input if sequence.input_whole else gather_sequence(input, self.group, sequence.dim)
+
+    def column_linear(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """A column-parallel ``F.linear`` of ``input``: of `column_input`, or under sequence parallelism of the
+        sequence gathered from this rank's slice, keeping only the slice for backward."""
+        sequence = self.sequence
+        if sequence is not None and not sequence.input_whole:
+            return gather_sequence_linear(input, weight, bias, self.group, sequence.dim)
+        return F.linear(self.column_input(input), weight, bias)
 
     def row_output(self, partial: Tensor) -> Tensor:
         """The output of a row-parallel layer from this rank's partial sum: all-reduced ("g"), or under sequence

@@ -13,7 +13,9 @@ Sequence parallelism (Korthikanti et al. 2022, section 4.2.2) replaces f and g b
 reduce-scatter along the sequence dim, so that what lies between a row-parallel exit and the next column-parallel
 entry (norms, dropouts, residual adds) holds 1/tp of the sequence; the same bytes travel:
 
-- ``gather_sequence`` ("g-bar" in the paper): all-gather forward, reduce-scatter of the gradient backward.
+- ``gather_sequence`` ("g-bar" in the paper): all-gather forward, reduce-scatter of the gradient backward;
+  ``gather_sequence_linear`` is it fused with the column-parallel linear that takes it, keeping the slice rather than
+  the gathered input for backward (which gathers it again).
 - ``reduce_scatter_sequence`` ("g-bar" backward's dual): reduce-scatter forward, all-gather backward.
 - ``split_sequence``: ``scatter_to_region`` along the sequence, with the error a user can act on.
 
@@ -38,6 +40,7 @@ __all__ = [
     "copy_to_region",
     "gather_from_region",
     "gather_sequence",
+    "gather_sequence_linear",
     "reduce_from_region",
     "reduce_scatter_sequence",
     "scatter_to_region",
@@ -185,6 +188,37 @@ def reduce_scatter_sequence(tensor: Tensor, group: Group, dim: int) -> Tensor:
     """The sum over ``group``, of which this rank keeps its slice of the sequence along ``dim``; backward
     all-gathers the gradient (the row-parallel exit under sequence parallelism)."""
     return _AlongDim.apply(tensor, dim, group, _reduce_scatter, _all_gather)
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """``F.linear`` of the sequence all-gathered from this rank's slice, keeping only the slice for backward: the
+    all-gather runs again there for the weight's gradient (Korthikanti et al. 2022, section 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx: Any, piece: Tensor, weight: Tensor, bias: Tensor | None, dim: int, group: Group) -> Tensor:
+        ctx.save_for_backward(piece, weight)
+        ctx.dim, ctx.group, ctx.has_bias = dim, group, bias is not None
+        return torch.nn.functional.linear(_all_gather(piece, dim, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        piece, weight = ctx.saved_tensors
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:  # the whole input's gradient is partial on every rank: sum, keep the slice
+            grad_input = _reduce_scatter(grad.matmul(weight), ctx.dim, ctx.group)
+        if ctx.needs_input_grad[1]:
+            whole = _all_gather(piece, ctx.dim, ctx.group)  # (..., in)
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().mm(whole.reshape(-1, whole.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0)
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+def gather_sequence_linear(piece: Tensor, weight: Tensor, bias: Tensor | None, group: Group, dim: int) -> Tensor:
+    """``F.linear(gather_sequence(piece, group, dim), weight, bias)`` that keeps ``piece`` (1/tp of the input) for
+    backward instead of the whole input, and all-gathers it again there (the column-parallel entry under sequence
+    parallelism)."""
+    return _GatheredLinear.apply(piece, weight, bias, dim, group)
 
 
 def split_sequence(tensor: Tensor, group: Group, dim: int) -> Tensor:

@@ -66,7 +66,7 @@ class ColumnParallelLinear(TensorParallelModule, nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         if self._tp is None:
             return F.linear(input, self.weight, self.bias)
-        output = F.linear(self._tp.column_input(input), self.weight, self.bias)  # (..., out/tp)
+        output = self._tp.column_linear(input, self.weight, self.bias)  # (..., out/tp)
         return gather_from_region(output, self._tp.group) if self.gather_output else output
 
     @override

@@ -74,7 +74,22 @@ class SequenceParallelDropout(WholeTensorParallelModule, nn.Dropout):
         whole = [input.shape[d] * (tp.size if d == dim else 1) for d in order]
         ones = torch.ones(whole, dtype=input.dtype, device=input.device)
         noise = F.dropout(ones, self.p, training=True).permute(*sorted(range(input.dim()), key=order.__getitem__))
-        return input * noise.chunk(tp.size, dim=dim)[tp.rank].contiguous()  # keeps only the slice for backward
+        kept = noise.chunk(tp.size, dim=dim)[tp.rank] != 0  # this slice's mask, one byte per element
+        return _KeptScaled.apply(input, kept, noise.amax())  # = input * noise: amax is the kept value, 1 / (1 - p)
+
+
+class _KeptScaled(torch.autograd.Function):
+    """``where(kept, input * scale, 0)``, keeping the boolean mask (not a mask of the input's dtype) for backward."""
+
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, kept: Tensor, scale: Tensor) -> Tensor:
+        ctx.save_for_backward(kept, scale)
+        return torch.where(kept, input * scale, 0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        kept, scale = ctx.saved_tensors
+        return torch.where(kept, grad * scale, 0), None, None
 
 
 class SequenceParallelLayer(TensorParallelModule):
