@@ -170,8 +170,14 @@ def _trace(
             f"{type(model).__name__} gave {type(loss).__name__} to backpropagate, not a tensor that requires grad; "
             "training_step must return the loss (or a dict with 'loss'), as automatic optimization needs."
         )
-    with torch.device("meta"), _fused_attention():
-        loss.float().sum().backward()
+    try:
+        with torch.device("meta"), _fused_attention():
+            loss.float().sum().backward()
+    except Exception as error:
+        raise TraceError(
+            f"the backward of {type(model).__name__} failed on the meta device ({type(error).__name__}: "
+            f"{_first_line(error)})"
+        ) from error
     return saved, host.largest
 
 
@@ -308,9 +314,9 @@ def _loss(model: nn.Module, microbatch: Any) -> Any:
         raise TraceError(
             f"running {'training_step' if isinstance(model, pl.LightningModule) else 'forward'} of "
             f"{type(model).__name__} on the meta device failed ({type(error).__name__}: {_first_line(error)}). "
-            "The planner runs it on tensors without values: keep host reads (.item(), .tolist(), bool(tensor), "
-            "printing) and collectives of your own (smp.get_tp_process_group()) out of the training step, or "
-            "estimate the model states alone."
+            "There tensors have shapes but no values and no process group: host reads (.item(), .tolist(), "
+            "bool(tensor), printing) and collectives of your own (smp.get_tp_process_group()) cannot run; keep them "
+            "out of the training step (a vocabulary-parallel loss: smp.nn.DistributedLMHead.loss)."
         ) from error
     if isinstance(output, Mapping):
         return output.get("loss")
