@@ -257,6 +257,8 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
             results[f"gpt_fp16_{key}"] = _fit(rank, _TinyGPT(batch), {**FP16, **degree}, warns=warning)
             results[f"mlp_{key}"] = _fit(rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN})
             results[f"vocab_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), degree)
+            if tp > 1:  # the vocabulary-parallel embedding and loss around sequence-parallel layers
+                results[f"vocab_sp_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), {**degree, **SP})
     for name, (dropout, strategy_kwargs) in _SEQUENCE_RUNS[world].items():
         model = _TinyGPT(GLOBAL_BATCH, dropout=dropout, checkpointing=True)
         results[name] = _fit(rank, model, strategy_kwargs, validate=True, gradient_clip_val=CLIP)
@@ -283,7 +285,7 @@ _SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
         "sp_tp2_fp16": (DROPOUT, {**SP, **FP16, "tensor_parallel_degree": 2}),
     },
     4: {
-        "sp_pp2_tp2": (0.0, {**SP, **PP2_TP2}),
+        "sp_pp2_tp2": (0.0, {**SP, **PP2_TP2, "offload_activations": True}),
         "sp_pp2_tp2_fp16": (0.0, {**SP, **FP16, **PP2_TP2}),
     },
 }
@@ -366,9 +368,10 @@ def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
 
 @pytest.mark.timeout(600)
 def test_vocab_parallel_embedding_tied_to_the_lm_head_matches_one_process():
-    runs = [rank["vocab_tp2_dp1"] for rank in launch(2)]
-    _assert_matches(runs, launch(1)[0]["vocab_tp1_dp1"])
-    assert "tok.weight" in runs[0]["sharded"]  # split once, still tied to the head
+    for name in ("vocab_tp2_dp1", "vocab_sp_tp2_dp1"):  # without and with sequence parallelism
+        runs = [rank[name] for rank in launch(2)]
+        _assert_matches(runs, launch(1)[0]["vocab_tp1_dp1"])
+        assert "tok.weight" in runs[0]["sharded"]  # split once, still tied to the head
 
 
 # -- sequence parallelism -------------------------------------------------------------------------------------
@@ -394,7 +397,7 @@ def test_sequence_parallel_tp2_matches_one_process_with_dropout_checkpointing_an
 
 
 @pytest.mark.timeout(500)
-def test_sequence_parallel_pp2_tp2_matches_one_process_and_sends_slices_between_stages():
+def test_sequence_parallel_pp2_tp2_with_offloading_matches_one_process_and_sends_slices_between_stages():
     runs = launch(4)
     for name, reference in (
         ("sp_pp2_tp2", "sp_reference_no_dropout"),
