@@ -3,10 +3,11 @@ step time against Lightning's ModelParallelStrategy running torch's own tensor-p
 
 Three measurements, each layout in fresh processes whose ranks Lightning launches:
 
-- ``bytes``: the GPT of ``memory_scale.py`` (``nn.TransformerEncoderLayer``s, fp16, residual dropout 0.1 unless
-  ``--dropout``) at tp2 and tp4, with and without ``sequence_parallel``: the exact bytes each rank keeps for backward
-  for one microbatch (every tensor autograd saves, each storage once, parameters left out: `SavedBytes`), those of its
-  transformer layers per layer, and Korthikanti et al.'s per-layer formula for the same settings.
+- ``bytes``: the GPT of ``memory_scale.py`` (``nn.TransformerEncoderLayer``s with ReLU, fp16, residual dropout 0.1
+  unless ``--dropout``) at tp2 and tp4, with and without ``sequence_parallel``: the exact bytes each rank keeps for
+  backward for one microbatch (every tensor autograd saves, each storage once, parameters left out: `SavedBytes`),
+  those of its transformer layers per layer, and Korthikanti et al.'s per-layer accounting, as published and for
+  this layer (`formula_per_layer`).
 - ``planner``: the GPT and a Hugging Face Llama on one device, tp2, pp2 and pp2 x tp2, with and without activation
   checkpointing: each rank's measured bytes per microbatch against what `lightning_smp.estimate_memory` traces on the
   meta device for its stage.
@@ -318,15 +319,21 @@ def planned(model: str, layout: str, args: argparse.Namespace, *, checkpointing:
     return [(rank.activations, rank.recompute) for rank in report.ranks]
 
 
-def formula_per_layer(size: str, tp: int, sequence_parallel: bool, *, fp16: bool, dropout: bool) -> float:
-    """Korthikanti et al. 2022 (Table 2, "selective recompute" rows, since the fused attention keeps no attention
-    matrix) for one layer: s·b·h·(10 + 24/t) bytes, s·b·h·34/t with sequence parallelism; a layer without dropout
-    keeps no masks (2 + 1 bytes of each 34, one byte per element each), fp32 doubles the 2-byte activations."""
+def formula_per_layer(
+    size: str, tp: int, sequence_parallel: bool, *, dropout: bool, activation: str, mask_bytes: float
+) -> float:
+    """Bytes one transformer layer keeps for backward by Korthikanti et al. 2022's accounting (Table 2, "selective
+    recompute" rows: a fused attention keeps no attention matrix), for 16-bit activations, in units of s·b·h bytes:
+    the two layer norms' inputs 4, the attention's input 2, q, k, v 6/t, the attention's output (``out_proj``'s
+    input) 2/t, the MLP's input 2, its hidden layer 16/t with GeLU (its input, and its output as the second linear's
+    input) or 8/t with ReLU (whose output it keeps is that input), and with ``dropout`` two residual masks of
+    ``mask_bytes`` per element. Without sequence parallelism the first, second, fifth and the masks are whole on
+    every rank; with it all is divided by t. The paper's figures are GeLU with 1-byte masks: 10 + 24/t and 34/t."""
     s = SIZES[size]
     sbh = s["seq"] * s["batch"] * s["width"]
-    replicated, split = (10.0, 24.0) if dropout else (8.0, 23.0)
-    per = (replicated + split) / tp if sequence_parallel else replicated + split / tp
-    return sbh * per * (1 if fp16 else 2)
+    hidden = {"gelu": 16.0, "relu": 8.0}[activation]
+    whole, split = 8.0 + (2 * mask_bytes if dropout else 0.0), 8.0 + hidden
+    return sbh * ((whole + split) / tp if sequence_parallel else whole + split / tp)
 
 
 def measure_bytes(args: argparse.Namespace) -> dict[str, Any]:
@@ -339,12 +346,18 @@ def measure_bytes(args: argparse.Namespace) -> dict[str, Any]:
             ranks = launched[(layout, False)]
             tp, sp = LAYOUTS[layout]["tensor_parallel_degree"], layout.endswith("+sp")
             per_layer = max(r["layers_per_microbatch"] for r in ranks) / SIZES[args.size]["layers"]
-            formula = formula_per_layer(args.size, tp, sp, fp16=args.fp16, dropout=args.dropout > 0)
+            dropout = args.dropout > 0
+            paper = formula_per_layer(args.size, tp, sp, dropout=True, activation="gelu", mask_bytes=1)
+            # this layer: ReLU (nn.TransformerEncoderLayer's default); masks of torch's CPU dropout (the activations'
+            # dtype) outside sequence parallelism, one byte (SequenceParallelDropout's) inside
+            formula = formula_per_layer(
+                args.size, tp, sp, dropout=dropout, activation="relu", mask_bytes=1 if sp else 2
+            )
             plan = planned("gpt", layout, args)[0][0]
             rows.append({
                 "layout": layout, "per_microbatch": max(r["per_microbatch"] for r in ranks), "per_layer": per_layer,
-                "formula_per_layer": formula, "of_formula": per_layer / formula, "planned": plan,
-                "planned_error": plan / max(r["per_microbatch"] for r in ranks) - 1,
+                "formula_per_layer": formula, "of_formula": per_layer / formula, "paper_formula_per_layer": paper,
+                "planned": plan, "planned_error": plan / max(r["per_microbatch"] for r in ranks) - 1,
             })  # fmt: skip
     by = {row["layout"]: row for row in rows}
     for t in (2, 4):
