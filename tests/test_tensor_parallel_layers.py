@@ -2,8 +2,8 @@
 grads, on gloo groups of 2 and 4 ranks, plus the dropout streams.
 
 Each case builds the whole module once (seeded, the same on every rank), deep-copies it, splits the copy with
-`parallelize` and runs both on the same inputs. The checks run inside the launches of `tests.test_tensor_parallel`
-(one launch per world size serves every multi-process test); the tests here assert on what they returned.
+`parallelize` and runs both on the same inputs. One launch per world size runs every check (`_run_checks`); the
+tests here assert on what it returned.
 """
 
 import copy
@@ -33,7 +33,7 @@ from lightning_smp.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_smp.tensor_parallel.creation import scope
-from tests.test_tensor_parallel import launch
+from tests.distributed import init_gloo, launch_once
 
 D, HEADS, FF, B, T, VOCAB = 16, 4, 32, 2, 8, 64
 
@@ -346,7 +346,19 @@ def check_checkpointed_dropout() -> dict:
     return {"equal": all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), "count": len(grads[0])}
 
 
-@pytest.mark.timeout(600)
+def _run_checks(rank: int) -> dict:
+    init_gloo()
+    results = {"layers": check_layers()}
+    if dist.get_world_size() == 2:
+        results.update(dropout=check_dropout(), checkpointed_dropout=check_checkpointed_dropout())
+    return results
+
+
+def launch(world: int) -> list[dict]:
+    return launch_once(_run_checks, world, timeout=240)
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_layers_match_the_whole_layer(world):
     results = [rank["layers"] for rank in launch(world)]
@@ -356,7 +368,7 @@ def test_split_layers_match_the_whole_layer(world):
     assert max(results[0].values()) < 1e-5
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_dropout_is_replicated_where_activations_are_and_independent_where_they_are_split():
     results = [rank["dropout"] for rank in launch(2)]
     for result in results:
@@ -365,7 +377,7 @@ def test_dropout_is_replicated_where_activations_are_and_independent_where_they_
     assert torch.equal(results[0]["default_state"], results[1]["default_state"])
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(300)
 def test_a_checkpointed_split_layer_replays_its_dropout_masks():
     for result in (rank["checkpointed_dropout"] for rank in launch(2)):
         assert result["equal"] and result["count"] > 8
