@@ -13,7 +13,8 @@ Three measurements, each layout in fresh processes whose ranks Lightning launche
   meta device for its stage.
 - ``time``: a Llama at tp2, ours without and with sequence parallelism, and Lightning's ``ModelParallelStrategy``
   with torch's ``ColwiseParallel`` / ``RowwiseParallel`` (``+ SequenceParallel``) plan on the same model, fp32: the
-  median step after a warm-up, in one run.
+  median step after a warm-up, in one run, in wall-clock seconds and in CPU seconds of the slowest rank (which other
+  jobs on a shared machine do not inflate).
 
     python benchmarks/sequence_parallel.py bytes --out bytes.json              # full size, seq 1024
     python benchmarks/sequence_parallel.py planner --size smoke --out p.json   # what tests/test_memory.py runs
@@ -202,11 +203,12 @@ class _Probe(Callback):
     def __init__(self, path: str, microbatches: int) -> None:
         self.path, self.microbatches = path, microbatches
         self.steps: list[float] = []
+        self.cpu: list[float] = []  # the rank's CPU seconds per step (all its threads): steady on a shared machine
         self.counts: dict[str, Any] = {}
         self._stack = ExitStack()
 
     def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, idx: int) -> None:
-        self._start = time.perf_counter()
+        self._start, self._cpu = time.perf_counter(), time.process_time()
         if idx == MEASURED_STEP:
             self._saved = SavedBytes(exclude=[*module.parameters(), *module.buffers()])
             self._stack.enter_context(self._saved)
@@ -219,6 +221,7 @@ class _Probe(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, module: L.LightningModule, out: Any, batch: Any, idx: int) -> None:
         self.steps.append(time.perf_counter() - self._start)
+        self.cpu.append(time.process_time() - self._cpu)
         if idx == MEASURED_STEP:
             self._stack.close()
             children = [str(i) for i in range(self._layers)]
@@ -235,6 +238,7 @@ class _Probe(Callback):
             "rank": trainer.global_rank,
             "stage": smp.pp_rank() if isinstance(trainer.strategy, SMPStrategy) else 0,
             "step_seconds": self.steps,
+            "cpu_seconds": self.cpu,
             **self.counts,
         }
         records: list[Any] = [None] * trainer.world_size
@@ -389,11 +393,14 @@ def measure_time(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         for layout in ("tp2", "tp2+sp", "torch-tp2", "torch-tp2+sp"):  # each in fresh processes
             ranks = _launch("llama", [layout], args, tmp)[(layout, False)]
-            step = statistics.median(max(times) for times in zip(*(r["step_seconds"] for r in ranks), strict=True))
-            rows.append({"layout": layout, "step_seconds": step})
-    ours = {row["layout"]: row["step_seconds"] for row in rows}
+            row: dict[str, Any] = {"layout": layout}
+            for key in ("step_seconds", "cpu_seconds"):  # the median over steps of the slowest rank's
+                row[key] = statistics.median(max(times) for times in zip(*(r[key] for r in ranks), strict=True))
+            rows.append(row)
+    ours = rows[0]
     for row in rows:
-        row["of_ours_tp2"] = row["step_seconds"] / ours["tp2"]
+        row["of_ours_tp2"] = row["step_seconds"] / ours["step_seconds"]
+        row["cpu_of_ours_tp2"] = row["cpu_seconds"] / ours["cpu_seconds"]
     return {"rows": rows}
 
 
