@@ -104,6 +104,11 @@ _NAMES_A_FIX = re.compile(
 )
 # Fixes for messages that do not name one themselves, keyed by a piece of the message's fixed text.
 _FIXES = {
+    "failed on the meta device (": "The memory planner could not run the model's backward on the meta device, so "
+    "its activations are unknown (`fits` is None): the part in brackets names the operation; estimate the model "
+    "states alone, or report the operation if it is torch's.",
+    "copying … failed (": "The memory planner copies the model before laying it out; make the model deep-copyable "
+    "(no open files or locks as attributes), or estimate the model states alone.",
     "There is no checkpoint at": "Check the path given to `ckpt_path=` (a checkpoint is a directory holding "
     "`meta.pt`); with `ckpt_path='last'`, make sure a `ModelCheckpoint(save_last=True)` ran before.",
     "the checkpoint is damaged": "The files of this checkpoint were changed or cut short after it was written (a "
