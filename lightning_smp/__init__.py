@@ -5,7 +5,7 @@ variants for notebooks); ``from lightning_smp import smp`` gives the smp-compati
 """
 
 from lightning_smp import smp
-from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict
+from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict, export_hf
 from lightning_smp.config import SMPConfig
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lightning_smp.memory import estimate_memory, fitting_layouts
@@ -25,6 +25,7 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidated_state_dict",
     "estimate_memory",
+    "export_hf",
     "fitting_layouts",
     "smp",
 ]
