@@ -2,12 +2,12 @@
 
 Owns the arithmetic only: bytes per element of parameters, gradients, fp32 masters and optimizer state, whether the
 largest rank fits a device, and the search over layouts for a device count. What a rank holds is not re-derived
-here: the package's own pure plans run on the model (best built on the meta device) — ``plan_tensor_parallel`` says
-which parameters each tensor-parallel rank keeps 1/tp of, ``find_trunk`` / ``describe_children`` /
-``plan_partition`` which trunk children each stage keeps, ``plan_outside`` which stages keep the modules outside the
-trunk, the pipeline schedule how many microbatches a stage holds at once — and the activations are measured by
-tracing one microbatch through the model as laid out (`activation_memory`), so the estimate follows the code that
-trains. Where the trace cannot run, the activations are unknown and so is whether a layout fits.
+here: the package's own pure plans run on the model (best built on the meta device) — `lightning_smp.build.plan`, the
+one the strategy applies, says which parameters each tensor-parallel rank keeps 1/tp of, which trunk children each
+stage keeps, which stages keep the modules outside the trunk and which modules sharded data parallelism shards; the
+pipeline schedule how many microbatches a stage holds at once — and the activations are measured by tracing one
+microbatch through the model as laid out (`activation_memory`), so the estimate follows the code that trains. Where
+the trace cannot run, the activations are unknown and so is whether a layout fits.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_smp import build
 from lightning_smp.activation_memory import (
     AFTER,
     BEFORE,
@@ -33,16 +34,8 @@ from lightning_smp.activation_memory import (
 )
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
-from lightning_smp.pipeline.partition import (
-    OutsidePlan,
-    PartitionPlan,
-    describe_children,
-    find_trunk,
-    plan_configured_partition,
-    plan_outside,
-)
-from lightning_smp.sharded_data_parallel import plan_units
-from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
+from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan
+from lightning_smp.sharded_data_parallel import keeps_whole
 from lightning_smp.topology import rank_groups
 
 __all__ = [
@@ -67,10 +60,11 @@ _SHARDED_ASSUMPTION = (
 _SDP_ASSUMPTION = (
     "sharded_data_parallel_degree: the parameters of each sharded unit (a trunk child, the root's rest) are held as "
     "fp32 shards of 1/sdp (dim 0 split, rounded up), which are the masters, with fp32 gradient shards and fp32 Adam "
-    "state over them; modules kept whole (sdp_param_persistence_threshold) hold all of their fp32 parameters, "
-    "gradients and state; the step buffer is the largest unit gathered for compute: its parameters and gradients in "
-    "the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the next unit "
-    "prefetched while one computes, the root kept gathered between forward and backward, the communication buffers"
+    "state over them; parameters kept whole (below sdp_param_persistence_threshold) are held whole in fp32, with "
+    "their gradients and state; the step buffer is the largest unit gathered for compute: its parameters and "
+    "gradients in the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the "
+    "next unit prefetched while one computes, the root kept gathered between forward and backward, the "
+    "communication buffers"
 )
 
 ASSUMPTIONS = (
@@ -397,8 +391,9 @@ def _report(
     traces: dict[tuple[int, bool], ActivationTrace | TraceError],
 ) -> MemoryReport:
     params = _named_parameters(model)
-    sharded = _tensor_parallel_shards(model, layout.tp, config, params)
-    placement = _Placement.of(model, layout.pp, config)
+    built = build.plan(model, config=config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp)
+    sharded = set(built.split_ids)
+    placement = _Placement(layout.pp, built.partition, built.outside)
 
     fp32_owners = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
     half = config.half_dtype
@@ -408,7 +403,7 @@ def _report(
     ranks = []
     for stage in range(layout.pp):
         if layout.sdp > 1:  # pp = 1, as the config requires
-            count, step_buffer = _sharded_data_parallel(model, params, sharded, layout, config)
+            count, step_buffer = _sharded_data_parallel(built.shard_units, params, sharded, layout, config)
         else:
             count, step_buffer = _stage_states(stage, params, sharded, held, fp32_owners, layout, half)
         ranks.append(
@@ -463,20 +458,18 @@ def _stage_states(
 
 
 def _sharded_data_parallel(
-    model: nn.Module,
+    plan: Sequence[tuple[nn.Module, bool]],
     params: dict[int, tuple[nn.Parameter, list[str]]],
     tensor_parallel: set[int],
     layout: Layout,
     config: SMPConfig,
 ) -> tuple[dict[str, int], int]:
-    """A rank's model states under ``sharded_data_parallel_degree`` (the units of `plan_units`, as ``shard`` wraps
-    them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
-    parameter, whole ones for the modules kept whole; and the step buffer of the largest unit gathered."""
-    plan = plan_units(model, config)
-    whole = {id(p) for module, is_sharded in plan if not is_sharded for p in module.parameters(recurse=False)}
+    """A rank's model states under ``sharded_data_parallel_degree`` (the units of the build's ``plan``, as ``shard``
+    wraps them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
+    parameter, whole ones for the parameters kept whole; and the step buffer of the largest unit gathered."""
     unit_of: dict[int, int] = {}
-    for index, (module, is_sharded) in enumerate(plan):  # descendants first: a parameter's innermost unit
-        for param in module.parameters() if is_sharded else ():
+    for index, module in enumerate(plan):  # trunk children first: a parameter's own unit
+        for param in module.parameters():
             unit_of.setdefault(id(param), index)
     count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
     gathered: dict[int, int] = {}  # unit → bytes gathered for its compute (parameters, gradients, fp32 reduce input)
@@ -484,9 +477,10 @@ def _sharded_data_parallel(
     compute = _MASTER_BYTES if half is None else half.itemsize
     for key, (param, _) in params.items():
         elements = param.numel() // layout.tp if key in tensor_parallel else param.numel()
-        local = elements if key in whole else -(-elements // layout.sdp)
+        whole = keeps_whole(elements, config)
+        local = elements if whole else -(-elements // layout.sdp)
         count["parameters"] += local * _MASTER_BYTES
-        if key not in whole:
+        if not whole:
             per_element = compute + (
                 (compute + (_MASTER_BYTES if half is not None else 0)) if param.requires_grad else 0
             )
@@ -526,16 +520,6 @@ def _named_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[st
     return found
 
 
-def _tensor_parallel_shards(
-    model: nn.Module, tp: int, config: SMPConfig, params: dict[int, tuple[nn.Parameter, list[str]]]
-) -> set[int]:
-    """Ids of the parameters each tensor-parallel rank holds 1/tp of (what ``parallelize`` would split)."""
-    plan = plan_tensor_parallel(model, tp_size=tp, patterns=config.tensor_parallel_plan)
-    if tp == 1:
-        return set()
-    return {key for key, (_, names) in params.items() if any(name in plan.sharded_specs for name in names)}
-
-
 @dataclass(frozen=True)
 class _Placement:
     """Which pipeline stages hold a parameter or module: the partition plan and the plan of what lies outside the
@@ -544,16 +528,6 @@ class _Placement:
     stages: int
     plan: PartitionPlan | None = None
     outside: OutsidePlan | None = None
-
-    @classmethod
-    def of(cls, model: nn.Module, stages: int, config: SMPConfig) -> _Placement:
-        if stages == 1:
-            return cls(1)
-        trunk_name, trunk = find_trunk(model, config.pipeline_module)
-        plan = plan_configured_partition(
-            trunk_name, trunk, describe_children(trunk, trunk_name), stages=stages, config=config
-        )
-        return cls(stages, plan, plan_outside(model, plan))
 
     def buckets_of(self, stage: int) -> list[str] | None:
         """The `ActivationTrace` buckets ``stage`` runs: before the trunk on the first, its trunk children, after the

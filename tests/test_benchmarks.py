@@ -123,3 +123,12 @@ def test_sequence_parallel_times_ours_and_torchs_plan_on_the_same_llama(tmp_path
     rows = json.loads(out.read_text())["rows"]
     assert [row["layout"] for row in rows] == ["tp2", "tp2+sp", "torch-tp2", "torch-tp2+sp"]
     assert all(_positive(row[key]) for row in rows for key in ("step_seconds", "cpu_seconds", "cpu_of_ours_tp2"))
+
+
+def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    _run("load_pretrained.py", "--size", "smoke", "--layouts", "tp2", "--out", str(out))
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["layout"] == "tp2" and len(row["ranks"]) == 2
+    for rank in row["ranks"]:
+        assert _positive(rank["kept"]) and rank["peak"] >= rank["peak_after_loading"] >= rank["rss_before_fit"]
