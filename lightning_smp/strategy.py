@@ -119,6 +119,7 @@ class SMPStrategy(DDPStrategy):
         partition: list[int] | None = None,
         virtual_stages: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
+        sequence_parallel: bool = False,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,

@@ -42,6 +42,7 @@ _OWN_EQUIVALENTS = {
     "partition": "`smp.partition(i)` / `smp.set_partition(module, i)` with `auto_partition: False`",
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
+    "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
 }
 
 
@@ -103,6 +104,11 @@ _NAMES_A_FIX = re.compile(
 )
 # Fixes for messages that do not name one themselves, keyed by a piece of the message's fixed text.
 _FIXES = {
+    "failed on the meta device (": "The memory planner could not run the model's backward on the meta device, so "
+    "its activations are unknown (`fits` is None): the part in brackets names the operation; estimate the model "
+    "states alone, or report the operation if it is torch's.",
+    "copying … failed (": "The memory planner copies the model before laying it out; make the model deep-copyable "
+    "(no open files or locks as attributes), or estimate the model states alone.",
     "There is no checkpoint at": "Check the path given to `ckpt_path=` (a checkpoint is a directory holding "
     "`meta.pt`); with `ckpt_path='last'`, make sure a `ModelCheckpoint(save_last=True)` ran before.",
     "the checkpoint is damaged": "The files of this checkpoint were changed or cut short after it was written (a "
@@ -207,6 +213,8 @@ _GROUP_OF_PATH = {
     "weights.py": "Model creation and memory",
     "progress.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
+    "activation_memory.py": "Model creation and memory",
+    "memory_plot.py": "Model creation and memory",
     "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",

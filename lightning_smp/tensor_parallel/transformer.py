@@ -15,8 +15,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttention, TensorParallelDropout
-from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
+from lightning_smp.tensor_parallel.base import SequenceSplit, TensorParallel, TensorParallelModule
 from lightning_smp.tensor_parallel.linear import ColumnParallelLinear, RowParallelLinear
+from lightning_smp.tensor_parallel.sequence import SequenceParallelLayer
 from lightning_smp.tensor_parallel.shard import ShardSpec
 
 __all__ = ["DistributedTransformerDecoderLayer", "DistributedTransformerLayer"]
@@ -31,7 +32,7 @@ _CHILDREN: dict[str, tuple[type[TensorParallelModule], type[nn.Module]]] = {
 }
 
 
-class _TransformerLayerParallel(TensorParallelModule):
+class _TransformerLayerParallel(SequenceParallelLayer):
     """What the encoder and the decoder layer share: the split is decided child by child."""
 
     @override
@@ -72,8 +73,19 @@ class _TransformerLayerParallel(TensorParallelModule):
         for name in _CHILDREN:
             child = getattr(self, name, None)
             if child is not None:
-                child._tp_distribute(tp, shared)
+                child._tp_distribute(tp.with_sequence(_child_sequence(name, tp.sequence)), shared)
         self._tp = tp
+        if tp.sequence is not None:
+            self._sequence_setup(tp)
+
+
+def _child_sequence(name: str, layer: SequenceSplit | None) -> SequenceSplit | None:
+    """How a child meets the sequence split of its layer: the attention blocks work sequence-first inside (dim 0),
+    ``linear1`` gathers the layer's slice, ``linear2`` reduce-scatters back to it; the sharded dropout between them
+    acts on whole sequences."""
+    if layer is None or name == "dropout":
+        return None
+    return SequenceSplit(0 if name in ("self_attn", "multihead_attn") else layer.dim)
 
 
 class DistributedTransformerLayer(_TransformerLayerParallel, nn.TransformerEncoderLayer):
