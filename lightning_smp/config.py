@@ -1,32 +1,29 @@
 """SMPConfig: every smp v1 ``parameters`` key plus lightning_smp's own settings, checked at construction.
 
-Owns the defaults, the validation (every bad value is a ``ValueError`` that repeats it and names the fix),
-the SageMaker entry points (the ``smp_options`` dict, the ``SM_HP_MP_PARAMETERS`` variable) and the table of
-settings accepted but not acted on yet. It does not know the world size (``data_parallel_degree`` checks it
-once the strategy does) and builds no rank layout or process group (``topology.py`` does). Frozen, so derived
-values are properties and never drift from the fields they come from.
+Owns the defaults, the validation (every bad value is a ``ValueError`` that repeats it and names the fix) and the
+table of settings accepted but not acted on yet; reading the SageMaker sources (the ``smp_options`` dict, the
+``SM_HP_MP_PARAMETERS`` variable) is `smp_options`'s. It does not know the world size (``data_parallel_degree``
+checks it once the strategy does) and builds no rank layout or process group (``topology.py`` does). Frozen, so
+derived values are properties and never drift from the fields they come from.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import math
 import os
 import types
-import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from lightning_smp import smp_options as _sources
+
 __all__ = ["TENSOR_PARALLEL_STYLES", "SMPConfig"]
 
-_ENV_VAR = "SM_HP_MP_PARAMETERS"
-# smp's schema has exactly one alias (config.yaml: pipeline_parallel_degree.alias = partitions).
-_ALIAS, _ALIAS_OF = "partitions", "pipeline_parallel_degree"
 _PIPELINES = ("interleaved", "simple")
 _OPTIMIZE = ("speed", "memory")
 _DDP_BACKENDS = ("auto", "nccl")
@@ -442,8 +439,8 @@ class SMPConfig:
     def from_smp_options(cls, options: Mapping[str, Any], **overrides: Any) -> SMPConfig:
         """Build from SageMaker's ``smp_options`` as pasted (``{"enabled": True, "parameters": {...}}``) or
         from its inner parameters dict; ``overrides`` are further field values and win over the dict."""
-        params = _smp_parameters(options, source="smp_options")
-        params.update(_canonical(overrides, source="keyword arguments", smp_only=False))
+        params = _sources.smp_parameters(options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS)
+        params.update(_sources.canonical(overrides, source="keyword arguments", accepted=_FIELD_NAMES))
         return cls(**params)
 
     @classmethod
@@ -459,24 +456,11 @@ class SMPConfig:
         A key given in both ``smp_options`` and ``kwargs`` must agree. The environment variable, set by a
         SageMaker job, overrides both, with a warning for each value it changes.
         """
-        explicit = _canonical(kwargs, source="keyword arguments", smp_only=False)
-        merged = {} if smp_options is None else _smp_parameters(smp_options, source="smp_options")
-        for name, value in explicit.items():
-            if name in merged and merged[name] != value:
-                raise ValueError(
-                    f"{name} is given twice with different values: {merged[name]!r} in smp_options and "
-                    f"{value!r} as a keyword argument; keep only one of them."
-                )
-        merged.update(explicit)
-        for name, value in _environ_parameters(environ).items():
-            if name in merged and merged[name] != value:
-                warnings.warn(
-                    f"{_ENV_VAR} sets {name}={value!r}, overriding {merged[name]!r} given in the script "
-                    "(as in smp, the SageMaker job's parameters win).",
-                    stacklevel=2,
-                )
-            merged[name] = value
-        return cls(**merged)
+        return cls(
+            **_sources.merge_sources(
+                kwargs, smp_options=smp_options, environ=environ, smp_names=_SMP_NAMES, all_names=_FIELD_NAMES
+            )
+        )
 
 
 _FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(SMPConfig))
@@ -548,7 +532,7 @@ def _normalise_loss_args(args: object) -> types.MappingProxyType[str, Any]:
         )
     for key, value in args.items():
         if key not in _LOSS_ARG_CHECKS:
-            raise _unknown_key("dynamic_loss_args key", key, _LOSS_ARG_CHECKS)
+            raise _sources.unknown_key("dynamic_loss_args key", key, _LOSS_ARG_CHECKS)
         ok, requirement = _LOSS_ARG_CHECKS[key]
         if not ok(value):
             raise ValueError(f"dynamic_loss_args[{key!r}]={value!r} is invalid; set it to {requirement}.")
@@ -578,83 +562,3 @@ def _fitting_degrees(world_size: int, pp: int, tp: int) -> tuple[int, int]:
     tp = max(d for d in range(1, min(tp, world_size) + 1) if world_size % d == 0)
     pp = max(d for d in range(1, min(pp, world_size) + 1) if world_size % (d * tp) == 0)
     return pp, tp
-
-
-def _unknown_key(kind: str, key: object, accepted: Iterable[str]) -> ValueError:
-    accepted = sorted(accepted)
-    close = difflib.get_close_matches(str(key), accepted, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"accepted names: {', '.join(accepted)}."
-    return ValueError(f"unknown {kind} {key!r}; {hint}")
-
-
-def _canonical(params: Mapping[str, Any], *, source: str, smp_only: bool) -> dict[str, Any]:
-    """``params`` with the ``partitions`` alias resolved and every key checked against the accepted names."""
-    params = dict(params)
-    if _ALIAS in params:
-        value = params.pop(_ALIAS)
-        if _ALIAS_OF in params and params[_ALIAS_OF] != value:
-            raise ValueError(
-                f"{source} gives both {_ALIAS}={value!r} and {_ALIAS_OF}={params[_ALIAS_OF]!r}; "
-                f"'{_ALIAS}' is smp's old name for '{_ALIAS_OF}', keep only one of them."
-            )
-        params[_ALIAS_OF] = value
-    accepted = _SMP_NAMES if smp_only else _FIELD_NAMES
-    for key in params:
-        if smp_only and key in _OWN_FIELDS:
-            close = difflib.get_close_matches(key, [*accepted, _ALIAS], n=1)
-            meant = f" (or did you mean {close[0]!r}?)" if close else ""
-            raise ValueError(
-                f"{key!r} in {source} is a lightning_smp setting, not an smp parameter; pass it to "
-                f"SMPStrategy as a keyword argument instead{meant}."
-            )
-        if key not in accepted:
-            kind = "smp parameter" if smp_only else "lightning_smp setting"
-            raise _unknown_key(kind, key, [*accepted, _ALIAS])
-    return params
-
-
-def _smp_parameters(options: Mapping[str, Any], *, source: str) -> dict[str, Any]:
-    """The smp parameters in ``options``, given whole (``{"enabled": ..., "parameters": ...}``) or inner."""
-    if not isinstance(options, Mapping):
-        raise ValueError(
-            f"{source}={options!r} is invalid; pass a dict, either SageMaker's "
-            "{'enabled': True, 'parameters': {...}} or just its parameters."
-        )
-    if "enabled" in options or "parameters" in options:
-        extra = sorted(map(repr, set(options) - {"enabled", "parameters"}))
-        if extra:
-            raise ValueError(
-                f"{source} has 'enabled'/'parameters' and also {', '.join(extra)}; smp parameters belong "
-                "inside 'parameters'."
-            )
-        enabled = options.get("enabled", True)
-        if enabled is False:
-            raise ValueError(
-                f"model parallelism is disabled in this {source} dict ('enabled': False); set "
-                "'enabled': True, or pass just its 'parameters', to use it with lightning_smp."
-            )
-        if enabled is not True:
-            raise ValueError(f"{source}['enabled']={enabled!r} is not a bool; set 'enabled': True.")
-        options = options.get("parameters", {})
-        if not isinstance(options, Mapping):
-            raise ValueError(f"{source}['parameters']={options!r} is invalid; make it a dict of parameters.")
-    return _canonical(options, source=source, smp_only=True)
-
-
-def _environ_parameters(environ: Mapping[str, str]) -> dict[str, Any]:
-    raw = environ.get(_ENV_VAR)
-    if raw is None:
-        return {}
-    try:
-        params = json.loads(raw)
-    except json.JSONDecodeError as err:
-        raise ValueError(
-            f"{_ENV_VAR}={raw!r} is not valid JSON ({err}); SageMaker sets it to a JSON object of smp "
-            "parameters such as '{\"microbatches\": 4}'; fix or unset it."
-        ) from err
-    if not isinstance(params, dict):
-        raise ValueError(
-            f"{_ENV_VAR}={raw!r} is not a JSON object; it must map smp parameter names to values, "
-            "such as '{\"microbatches\": 4}'."
-        )
-    return _canonical(params, source=_ENV_VAR, smp_only=True)

@@ -68,6 +68,7 @@ def _cell(text: str) -> str:
 def render_configuration() -> str:
     """The generated part of docs/configuration.md: one row per SMPConfig field, in declaration order."""
     from lightning_smp import config as config_module
+    from lightning_smp import smp_options
 
     docs = _field_docstrings()
     rows = [
@@ -78,8 +79,8 @@ def render_configuration() -> str:
         name = field.name
         if name in config_module._OWN_FIELDS:
             smp = _OWN_EQUIVALENTS.get(name, "none: a lightning_smp setting")
-        elif name == config_module._ALIAS_OF:
-            smp = f'`parameters["{name}"]` (alias `"{config_module._ALIAS}"`)'
+        elif name == smp_options.ALIAS_OF:
+            smp = f'`parameters["{name}"]` (alias `"{smp_options.ALIAS}"`)'
         else:
             smp = f'`parameters["{name}"]`'
         if name in config_module._INACTIVE_SETTINGS:
@@ -196,6 +197,7 @@ _GROUPS = {
 _GROUP_OF_PATH = {
     "config.py": "Configuring the strategy",
     "strategy.py": "Configuring the strategy",
+    "smp_options.py": "Configuring the strategy",
     "topology.py": "Launching and failures",
     "fault_tolerance.py": "Launching and failures",
     "activation_checkpointing.py": "Model creation and memory",
