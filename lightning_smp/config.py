@@ -81,9 +81,26 @@ _INACTIVE_SETTINGS: dict[str, str] = {
     "time (and prefetches the next) and has no limit on live parameters",
     "sdp_hierarchical_allgather": "FSDP2, which runs sharded data parallelism, all-gathers over one shard group; "
     "keep a shard group inside a node (sharded_data_parallel_degree <= devices per node) for the same effect",
-    "fp16_params": "smp deprecated it in favour of fp16; set fp16=True",
     "optimize": "tensor-parallel layers have a single implementation",
 }
+
+# smp's deprecated parameters (config.yaml ``deprecated: True``) -> the one that replaces it, which they set.
+_DEPRECATED: dict[str, str] = {"fp16_params": "fp16"}
+
+# smp's schema requirements (``requires`` / ``requires_not``) that lightning_smp does not enforce, and why; every
+# other one is checked (the degrees' bounds, bf16 against fp16 and fp16_params, sharded data parallelism against
+# pipelining and shard_optimizer_state, auto_partition=False against default_partition, ddp against horovod, and
+# the internal settings' in `smp_options`).
+SMP_REQUIREMENTS_NOT_ENFORCED: dict[str, str] = {
+    "tensor_parallel_degree > 1 requires ddp=True": "data parallelism is always on, so there is nothing to turn on",
+    "ddp_port requires ddp=True": "ddp_port has no effect (the cluster environment gives the port)",
+    "ddp_dist_backend requires ddp=True": "ddp_dist_backend has no effect (Lightning picks the backend)",
+    "prescaled_batch=True requires optimize='speed'": "optimize chose between two implementations of smp's "
+    "DistributedTransformer, which lightning_smp does not reproduce",
+    "sharded_data_parallel_degree > 1 requires tensor_parallel_degree=1": "smp 1.15 lifted it (sharded data "
+    "parallelism with tensor parallelism), and lightning_smp combines the two",
+}
+"""smp v1 requirement -> why lightning_smp accepts a config that breaks it."""
 
 # Lowest allowed value of each plain int field (upper bounds that depend on other fields are checked apart).
 _INT_MINIMUMS: dict[str, tuple[int, str]] = {
@@ -137,7 +154,8 @@ class SMPConfig:
     """Pieces each batch is split into for pipelining; the batch size must be divisible by it."""
     pipeline: str = "interleaved"
     """Pipeline schedule: "interleaved" runs a backward as soon as it can (1F1B), "simple" runs every forward
-    first (GPipe)."""
+    first (GPipe). smp's internal "_only_forward" is accepted from smp_options and runs as "interleaved"
+    (evaluation steps always run forward only), with a warning."""
     optimize: str = "speed"
     """smp's choice between tensor-parallel transformer implementations: "speed" or "memory". smp's code
     defaults to "speed" (its docs table says "memory")."""
@@ -180,7 +198,8 @@ class SMPConfig:
     bf16: bool = False
     """Train with bf16 parameters; needs fp16 (and fp16_params) off."""
     fp16_params: bool = False
-    """smp (deprecated in favour of fp16): create distributed modules' parameters in fp16."""
+    """smp (deprecated in favour of fp16): create distributed modules' parameters in fp16. True sets fp16=True
+    (with a warning naming fp16), as the fp16 training it asked for needs fp16 here."""
     shard_optimizer_state: bool = False
     """smp: shard the fp32 master weights and the optimizer state over the data-parallel replicas (ZeRO-1): each
     replica keeps and updates a contiguous 1/dp share, gradients are reduce-scattered instead of all-reduced and the
@@ -272,6 +291,11 @@ class SMPConfig:
         _require_choice("pipeline", self.pipeline, _PIPELINES)
         _require_choice("optimize", self.optimize, _OPTIMIZE)
         _require_choice("ddp_dist_backend", self.ddp_dist_backend, _DDP_BACKENDS)
+        if self.ddp and self.horovod:
+            raise ValueError(
+                "ddp=True and horovod=True name two data-parallel backends, which smp refused; drop horovod (a "
+                "TensorFlow setting): data parallelism runs on torch.distributed either way."
+            )
         object.__setattr__(self, "placement_strategy", _normalise_placement(self.placement_strategy))
         weight = _require_float("memory_weight", self.memory_weight, lambda v: 0 <= v <= 1, "in [0, 1]")
         object.__setattr__(self, "memory_weight", weight)
@@ -326,6 +350,8 @@ class SMPConfig:
             raise ValueError("bf16 needs fp16 off: pick one of fp16=True or bf16=True")
         if self.bf16 and self.fp16_params:
             raise ValueError("bf16 needs fp16_params off: fp16_params=True asks for fp16 parameters.")
+        if self.fp16_params:
+            object.__setattr__(self, "fp16", True)
         scale = _require_float("static_loss_scale", self.static_loss_scale, lambda v: v > 0, "> 0")
         object.__setattr__(self, "static_loss_scale", scale)
         if self.dynamic_loss_scale and scale != 1.0:
@@ -417,6 +443,15 @@ class SMPConfig:
             )
         return dp
 
+    def deprecated_settings(self) -> list[str]:
+        """One line per deprecated smp parameter that is set, naming the one that replaces it."""
+        return [
+            f"{name}=True is deprecated in smp in favour of {new}; lightning_smp reads it as {new}=True: set "
+            f"{new}=True instead."
+            for name, new in _DEPRECATED.items()
+            if getattr(self, name)
+        ]
+
     def inactive_settings(self) -> list[str]:
         """One line per setting changed from its default that lightning_smp accepts but ignores for now."""
         defaults = {field.name: field.default for field in dataclasses.fields(self)}
@@ -439,9 +474,9 @@ class SMPConfig:
     def from_smp_options(cls, options: Mapping[str, Any], **overrides: Any) -> SMPConfig:
         """Build from SageMaker's ``smp_options`` as pasted (``{"enabled": True, "parameters": {...}}``) or
         from its inner parameters dict; ``overrides`` are further field values and win over the dict."""
-        params = _sources.smp_parameters(options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS)
-        params.update(_sources.canonical(overrides, source="keyword arguments", accepted=_FIELD_NAMES))
-        return cls(**params)
+        sources = _sources.smp_parameters(options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS)
+        sources.fields.update(_sources.canonical(overrides, source="keyword arguments", accepted=_FIELD_NAMES))
+        return cls._from(sources)
 
     @classmethod
     def from_sources(
@@ -453,14 +488,21 @@ class SMPConfig:
     ) -> SMPConfig:
         """Merge defaults < ``smp_options`` < ``kwargs`` < ``SM_HP_MP_PARAMETERS`` (as smp.init does).
 
-        A key given in both ``smp_options`` and ``kwargs`` must agree. The environment variable, set by a
+        ``kwargs`` are the keyword arguments the caller gave (a value equal to the default too): each wins over
+        ``smp_options``, with a warning when it changes a value there. The environment variable, set by a
         SageMaker job, overrides both, with a warning for each value it changes.
         """
-        return cls(
-            **_sources.merge_sources(
+        return cls._from(
+            _sources.merge_sources(
                 kwargs, smp_options=smp_options, environ=environ, smp_names=_SMP_NAMES, all_names=_FIELD_NAMES
             )
         )
+
+    @classmethod
+    def _from(cls, sources: _sources.Sources) -> SMPConfig:
+        config = cls(**sources.fields)
+        sources.warn_and_check(config)
+        return config
 
 
 _FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(SMPConfig))

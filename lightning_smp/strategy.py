@@ -15,8 +15,9 @@ all-reduces itself) or with sharded optimizer state (whose optimizer reduce-scat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -59,7 +60,19 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SMPStrategy", "register_strategies"]
 
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
+_SETTINGS = frozenset(field.name for field in dataclasses.fields(SMPConfig))
+
+
+def _records_given_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """``SMPStrategy.__init__`` learns which keyword arguments its caller gave, not only their values: a setting
+    given explicitly wins over ``smp_options``, even when it equals the default (`SMPConfig.from_sources`)."""
+
+    @functools.wraps(init)
+    def init_recording_given(self: SMPStrategy, **kwargs: Any) -> None:
+        self._given_settings = _SETTINGS.intersection(kwargs)
+        init(self, **kwargs)
+
+    return init_recording_given
 
 
 class SMPStrategy(DDPStrategy):
@@ -78,6 +91,7 @@ class SMPStrategy(DDPStrategy):
 
     strategy_name = "smp"
 
+    @_records_given_keywords
     def __init__(
         self,
         *,
@@ -132,9 +146,9 @@ class SMPStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
     ) -> None:
         arguments = locals()
-        explicit = {name: arguments[name] for name in _DEFAULTS if arguments[name] != _DEFAULTS[name]}
+        explicit = {name: arguments[name] for name in self._given_settings}
         self._config = SMPConfig.from_sources(explicit, smp_options=smp_options)
-        for line in self._config.inactive_settings():
+        for line in [*self._config.deprecated_settings(), *self._config.inactive_settings()]:
             rank_zero_warn(line)
         self._topology: Topology | None = None
         self._sigterm = fault_tolerance.SchedulerSignal()

@@ -196,3 +196,10 @@ def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys
     cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml")])
     out = capsys.readouterr().out
     assert "pp=1 x tp=2 x dp=1" in out and "not estimated: give micro_batch_size and sequence_length" in out
+
+
+def test_a_setting_left_out_of_the_yaml_does_not_override_smp_options(tmp_path: Path) -> None:
+    # LightningCLI passes every default; only the settings the YAML writes count as given (a written default too).
+    init_args = {"smp_options": {"parameters": {"microbatches": 4, "fp16": True}}, "tensor_parallel_seed": 3}
+    strategy = _parse(tmp_path, {"strategy": {"class_path": "lightning_smp.SMPStrategy", "init_args": init_args}})
+    assert strategy.config == SMPConfig(microbatches=4, fp16=True, tensor_parallel_seed=3)

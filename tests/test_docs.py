@@ -85,10 +85,33 @@ def render_configuration() -> str:
             smp = f'`parameters["{name}"]`'
         if name in config_module._INACTIVE_SETTINGS:
             status = f"accepted, no effect: {config_module._INACTIVE_SETTINGS[name]}"
+        elif name in config_module._DEPRECATED:
+            replacement = config_module._DEPRECATED[name]
+            status = f"deprecated in smp: True sets {replacement}=True, with a warning naming {replacement}"
         else:
             status = "active"
         meaning = docs.get(name, "")
         rows.append(f"| `{name}` | `{field.default!r}` | {_cell(meaning)} | {_cell(smp)} | {_cell(status)} |")
+    return "\n".join(rows)
+
+
+def render_smp_internal_settings() -> str:
+    """The generated part of docs/configuration.md on smp's other schema keys: its internal settings (accepted from
+    smp_options and SM_HP_MP_PARAMETERS, each warning when changed) and the schema requirements not enforced."""
+    from lightning_smp import config as config_module
+    from lightning_smp.smp_options import INTERNAL_SETTINGS
+
+    rows = [
+        "| smp parameter | smp's default | what it did on SageMaker | in lightning_smp |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, setting in INTERNAL_SETTINGS.items():
+        rows.append(
+            f"| `{name}` | `{setting.default!r}` | {_cell(setting.did)} | accepted ({setting.kind}), no effect: "
+            f"{_cell(setting.why)} |"
+        )
+    rows += ["", "smp's schema requirements that lightning_smp does not enforce:", ""]
+    rows += [f"- {rule}: {why}." for rule, why in config_module.SMP_REQUIREMENTS_NOT_ENFORCED.items()]
     return "\n".join(rows)
 
 
@@ -303,17 +326,26 @@ def render_error_catalog(messages: list[ErrorMessage]) -> str:
 # -- the pages ------------------------------------------------------------------------------------------------
 
 
-def _generated(page: Path) -> str:
-    text = page.read_text(encoding="utf-8")
-    assert _BEGIN in text and _END in text, f"{page.name} lost its generated-part markers"
-    return text.split(_BEGIN, 1)[1].split(_END, 1)[0].strip()
+def _markers(part: str) -> tuple[str, str]:
+    """The begin and end markers of a page's generated part: the page's main one (``part=""``) or a named one."""
+    if not part:
+        return _BEGIN, _END
+    return _BEGIN.replace(": begin", f": begin {part}"), _END.replace(": end", f": end {part}")
 
 
-def _write_generated(page: Path, content: str) -> None:
+def _generated(page: Path, part: str = "") -> str:
     text = page.read_text(encoding="utf-8")
-    head, rest = text.split(_BEGIN, 1)
-    tail = rest.split(_END, 1)[1]
-    page.write_text(f"{head}{_BEGIN}\n{content}\n{_END}{tail}", encoding="utf-8")
+    begin, end = _markers(part)
+    assert begin in text and end in text, f"{page.name} lost its generated-part markers {begin!r}"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def _write_generated(page: Path, content: str, part: str = "") -> None:
+    text = page.read_text(encoding="utf-8")
+    begin, end = _markers(part)
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    page.write_text(f"{head}{begin}\n{content}\n{end}{tail}", encoding="utf-8")
 
 
 def _normalised(text: str) -> str:
@@ -323,6 +355,12 @@ def _normalised(text: str) -> str:
 def test_configuration_reference_lists_every_field_as_the_code_says() -> None:
     assert _generated(_DOCS / "configuration.md") == render_configuration(), (
         f"docs/configuration.md is out of date with SMPConfig; {_REGENERATE}"
+    )
+
+
+def test_configuration_reference_lists_smps_internal_settings_as_the_code_says() -> None:
+    assert _generated(_DOCS / "configuration.md", "smp-internal") == render_smp_internal_settings(), (
+        f"docs/configuration.md is out of date with smp_options.INTERNAL_SETTINGS; {_REGENERATE}"
     )
 
 
@@ -430,5 +468,6 @@ def test_relative_links_point_at_files_that_exist(page: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(_ROOT))
     _write_generated(_DOCS / "configuration.md", render_configuration())
+    _write_generated(_DOCS / "configuration.md", render_smp_internal_settings(), "smp-internal")
     _write_generated(_DOCS / "troubleshooting.md", render_error_catalog(error_messages()))
     print("wrote the generated parts of docs/configuration.md and docs/troubleshooting.md")
