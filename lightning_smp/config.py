@@ -230,7 +230,12 @@ class SMPConfig:
     """smp: under sharded data parallelism, every optimizer step clips the gradients to this global norm (over
     every rank, each value counted once), after any ``gradient_clip_val`` clipping, as smp did."""
     prescaled_batch: bool = False
-    """The ranks of one tensor-parallel group receive the same batch (used by the vocab-parallel LM head)."""
+    """smp: whether the ranks of a tensor-parallel group read one batch. False (smp's default): every rank reads
+    its own (Lightning's sampler shards over smp's dp ranks, world / pp of them, as a DistributedSampler over
+    smp.dp_size() / smp.dp_rank() does) and the group trains on the union of its ranks' batches, gathered over the
+    group each step: the global batch is world / pp times the loader's. True: the ranks of a group read the same
+    batch (a sampler over smp.rdp_size() / smp.rdp_rank()): the global batch is the data-parallel degree times the
+    loader's. The first batch of each loop is checked against the setting."""
     delayed_parameter_initialization: bool = False
     """smp: build the model in ``configure_model`` on the meta device and materialise at setup only what each
     rank keeps (its pipeline stage, its tensor-parallel shards), with the values a single-device build with the

@@ -133,7 +133,8 @@ class _GPT(TinyGPT):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
 
     def train_dataloader(self):
-        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8)
+        # each tensor-parallel rank reads its share (prescaled_batch=False): every layout steps on 8 samples
+        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8 // smp.tp_size())
 
 
 class _StepLosses(Callback):

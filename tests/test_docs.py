@@ -231,6 +231,7 @@ _GROUP_OF_PATH = {
     "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",
+    "tp_batches.py": "Tensor parallelism",
     "pipeline/": "Pipeline parallelism",
     "precision.py": "Precision and loss scaling",
     "loss_scaler.py": "Precision and loss scaling",
