@@ -55,7 +55,9 @@ def materialize_kept(model: nn.Module, *, device: torch.device) -> None:
             value.__dict__.update(old.__dict__)
         for module, local_name, is_parameter in owners[id(old)]:
             (module._parameters if is_parameter else module._buffers)[local_name] = value
-    log.debug("materialised %d tensors (%d bytes) on %s", len(values), sum(_bytes(v) for v in values), device)
+    log.info(
+        "lightning_smp: materialised %d tensors (%d bytes) on %s", len(values), sum(_bytes(v) for v in values), device
+    )
 
 
 def _source(name: str, tensor: Tensor) -> tuple[Tensor, Callable[[Tensor], Tensor]]:

@@ -190,6 +190,10 @@ _FIXES = {
     "argument, e.g. `x = block(x, mask=mask)`, not `block(input=x)`.",
     "tensor_parallel_plan gives": "Give that module a style its class supports, or `'replicate'` to keep it whole.",
     "unknown ": "Correct the name as the message suggests (it names the nearest accepted one).",
+    "is smp's own module, not reproduced": "Build from the torch layers the message names (they are split over the "
+    "tensor-parallel ranks); docs/migration.md lists every smp.nn name and what replaces it.",
+    "defines a distributed module the smp way": "Name the custom module's layers in `tensor_parallel_plan` instead of "
+    "subclassing `smp.nn.DistributedModule`.",
     "Upgrade lightning_smp": "Install the lightning_smp version that wrote the checkpoint, or a newer one.",
 }
 
