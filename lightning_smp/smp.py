@@ -228,6 +228,16 @@ _COLLECTIVES_AFTER_A_RUN = (
 )
 
 
+def __getattr__(name: str) -> Any:
+    # smp's names lightning_smp does not provide, with what replaces each (PEP 562)
+    if name == "amp":
+        raise AttributeError(
+            "smp.amp is not provided by lightning_smp: fp16 with fp32 master weights and smp's loss scaling is "
+            "SMPStrategy(fp16=True) (or strategy='smp_fp16'); remove the smp.amp calls."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # -- configuration -------------------------------------------------------------------------------------------
 
 
