@@ -252,12 +252,17 @@ def measure(size: str, layouts: list[str], heads: list[str], *, delayed_init: bo
                 )
                 if done.returncode != 0:
                     sys.exit(f"{layout} {head} failed:\n{done.stderr[-4000:]}")
-                ranks = json.loads(Path(path).read_text())
-                plan = planned(layout, head, size)
-                for rank in ranks:
-                    rank["planned"] = plan[rank["stage"]]
-                rows.append({"layout": layout, "head": head, "ranks": ranks})
+                rows.append(row(layout, head, size, path))
     return rows
+
+
+def row(layout: str, head: str, size: str, path: str) -> dict[str, Any]:
+    """The records `run_layout` wrote to ``path``, each rank's with what the planner plans for it."""
+    ranks = json.loads(Path(path).read_text())
+    plan = planned(layout, head, size)
+    for rank in ranks:
+        rank["planned"] = plan[rank["stage"]]
+    return {"layout": layout, "head": head, "ranks": ranks}
 
 
 def _states(rank: dict[str, Any], kinds: tuple[str, ...] = STATES) -> int:

@@ -11,6 +11,10 @@ what a message costs the caller.
 
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline interleaved
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline simple --active-microbatches 8  # bench's GPipe
+
+``--trace run.json`` also writes every event after warm-up as a Chrome trace (open it at https://ui.perfetto.dev),
+``--plot step.png`` draws the ``--show`` step per rank (`timeline_render.py`; docs/pipeline.md shows one per
+``pipeline`` value, drawn by ``python scripts/pictures.py pipeline``).
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ from __future__ import annotations
 import argparse
 import time
 from collections import defaultdict
+from pathlib import Path
 from typing import Any
 
 try:
     from benchmarks import pipeline_bench as bench
+    from benchmarks import timeline_render
 except ImportError:  # run as `python benchmarks/pipeline_timeline.py`
     import pipeline_bench as bench
+    import timeline_render
 
 from lightning_smp.pipeline import p2p, runtime
 
@@ -113,10 +120,21 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--show", type=int, default=10, help="the step printed action by action")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--trace", type=Path, help="write the events after warm-up as a Chrome trace JSON")
+    parser.add_argument("--plot", type=Path, help="draw the --show step per rank (PNG; needs matplotlib)")
     args = parser.parse_args()
     if not args.warmup <= args.show < args.steps - 1:
         parser.error("--show must lie in [--warmup, --steps - 2]")
-    report(dict(bench._spawn(_rank, 2, args, env={"TORCHELASTIC_RUN_ID": "timeline"})), args)
+    per_rank = dict(bench._spawn(_rank, 2, args, env={"TORCHELASTIC_RUN_ID": "timeline"}))
+    report(per_rank, args)
+    if args.trace:
+        timeline_render.write_chrome_trace(per_rank, args.trace, warmup=args.warmup)
+    if args.plot:
+        title = (
+            f'pipeline="{args.pipeline}", 2 stages, {args.microbatches} microbatches: step {args.show}, '
+            f"measured ({args.blocks} x Linear({args.width}), batch {args.batch}, CPU)"
+        )
+        timeline_render.plot_step(per_rank, args.plot, step=args.show, title=title)
 
 
 if __name__ == "__main__":

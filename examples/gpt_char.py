@@ -154,13 +154,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, a sequential trunk of `Block`, a final norm and a linear head."""
 
-    def __init__(self, n_layer: int, n_head: int, d_model: int, block_size: int, dropout: float) -> None:
+    def __init__(
+        self, n_layer: int, n_head: int, d_model: int, block_size: int, dropout: float, vocab_size: int = VOCAB_SIZE
+    ) -> None:
         super().__init__()
-        self.token_embedding = nn.Embedding(VOCAB_SIZE, d_model)
+        self.token_embedding = nn.Embedding(vocab_size, d_model)
         self.position_embedding = nn.Embedding(block_size, d_model)
         self.blocks = nn.Sequential(*[Block(d_model, n_head, dropout) for _ in range(n_layer)])
         self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, VOCAB_SIZE, bias=False)
+        self.head = nn.Linear(d_model, vocab_size, bias=False)
 
     def forward(self, idx: Tensor) -> Tensor:  # (B, T) int64 -> (B, T, V) logits
         positions = torch.arange(idx.size(1), device=idx.device)  # (T,)
@@ -180,6 +182,8 @@ class GPTCharLM(L.LightningModule):
         lr: AdamW learning rate.
         activation_checkpointing: recompute each layer's activations in backward instead of keeping them
             (``smp.set_activation_checkpointing`` on the trunk).
+        vocab_size: rows of the embedding and outputs of the head: the 128 ASCII codes this data has; larger only to
+            plan the memory of a model with a real tokenizer's vocabulary (examples/planning/).
     """
 
     def __init__(
@@ -192,6 +196,7 @@ class GPTCharLM(L.LightningModule):
         lr: float = 1e-2,
         weight_decay: float = 0.01,
         activation_checkpointing: bool = False,
+        vocab_size: int = VOCAB_SIZE,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -203,7 +208,7 @@ class GPTCharLM(L.LightningModule):
         hp = self.hparams
         dtype = torch.float16 if smp.state.cfg.fp16 else torch.get_default_dtype()
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, dtype=dtype):
-            self.model = GPT(hp.n_layer, hp.n_head, hp.d_model, hp.block_size, hp.dropout)
+            self.model = GPT(hp.n_layer, hp.n_head, hp.d_model, hp.block_size, hp.dropout, hp.vocab_size)
         if hp.activation_checkpointing:
             smp.set_activation_checkpointing(self.model.blocks)  # each layer its own checkpoint
 

@@ -80,7 +80,8 @@ def estimate(args: Sequence[str]) -> None:
             parser.error(str(err))
     with torch.device("meta"), warnings.catch_warnings():  # a module building layers in __init__ allocates nothing
         warnings.filterwarnings("ignore", message=".*provide both args and command line arguments")  # args are ours
-        cli = make_cli(["--config", options.config], run=False)
+        # a plan trains nothing: no seed_everything, which would set PL_GLOBAL_SEED for the rest of the process
+        cli = make_cli(["--config", options.config, "--seed_everything", "false"], run=False)
     strategy = cli.trainer.strategy
     if not isinstance(strategy, lightning_smp.SMPStrategy):
         parser.error(

@@ -271,7 +271,7 @@ class SMPConfig:
     """lightning_smp: modules to split over the tensor-parallel ranks, as dotted module-path patterns (``*`` matches
     one component) mapped to a style: colwise, rowwise, colwise_gather_output (= colwise_rep), rowwise_split_input
     (= rowwise_rep), packed_colwise, embedding_rowwise (= vocab), replicated_with_grad_allreduce, auto or replicate
-    (Hugging Face transformers' names; docs/concepts.md, "Plan styles", says what each does), for example
+    (Hugging Face transformers' names; docs/tensor-parallelism.md, "Plan styles", says what each does), for example
     ``{"blocks.*.mlp.fc": "colwise", "blocks.*.mlp.proj": "rowwise"}``; stored read-only. Applies on top of
     ``smp.tensor_parallelism()`` and of the plan of a Hugging Face transformers model created tensor-parallel
     (``model.tp_plan``), whose entries for the same modules it overrides; a pattern that matches no module raises
@@ -482,6 +482,24 @@ class SMPConfig:
         sources = _sources.smp_parameters(options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS)
         sources.fields.update(_sources.canonical(overrides, source="keyword arguments", accepted=_FIELD_NAMES))
         return cls._from(sources)
+
+    @classmethod
+    def of(cls, config: SMPConfig | Mapping[str, Any] | None) -> SMPConfig:
+        """``config`` as an `SMPConfig`: itself, the defaults for None, or built from a mapping of `SMPStrategy`
+        keyword arguments (``smp_options``, SageMaker's dict, among them) as `from_sources` builds it. What the
+        memory planner and ``smp.preview`` take, so that they read a config as the strategy does."""
+        if config is None:
+            return cls()
+        if isinstance(config, SMPConfig):
+            return config
+        if not isinstance(config, Mapping):
+            raise ValueError(
+                f"config={type(config).__name__} is neither an SMPConfig nor a mapping of SMPStrategy keyword "
+                "arguments; pass e.g. config={'pipeline_parallel_degree': 2, 'fp16': True}."
+            )
+        kwargs = dict(config)
+        smp_options = kwargs.pop("smp_options", None)
+        return cls.from_sources(kwargs, smp_options=smp_options)
 
     @classmethod
     def from_sources(

@@ -217,7 +217,7 @@ def estimate_memory(
     ``device_memory`` (bytes, or text such as ``"40GiB"``) adds the verdict whether the largest rank fits.
     With ``micro_batch_size`` and ``sequence_length`` the activations of the transformer layers are estimated.
     """
-    config = _as_config(config)
+    config = SMPConfig.of(config)
     world_size = config.model_parallel_degree if world_size is None else world_size
     dp = config.data_parallel_degree(world_size)
     layout = Layout(
@@ -249,7 +249,7 @@ def fitting_layouts(
     function of the tensor-parallel degree that builds the model, for models whose construction reads it
     (``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``). Layouts the model cannot take (a trunk with
     fewer children than stages, a plan that does not divide) are left out."""
-    base = _as_config(config)
+    base = SMPConfig.of(config)
     memory = _as_bytes(device_memory)
     built: dict[int, nn.Module] = {}
     found = []
@@ -359,12 +359,13 @@ def _report(
     half = config.half_dtype
     activations, note = _activations(model, placement, layout.tp, sharded, half, micro_batch_size, sequence_length)
     groups = rank_groups(config.placement_order, dp=layout.dp, pp=layout.pp, tp=layout.tp)["pp"]
+    held = {key: placement.stages_of(names) for key, (_, names) in params.items()}  # once: it walks the plan
     ranks = []
     for stage in range(layout.pp):
         if layout.sdp > 1:  # pp = 1, as the config requires
             count, step_buffer = _sharded_data_parallel(model, params, sharded, layout, config)
         else:
-            count, step_buffer = _stage_states(stage, params, sharded, placement, fp32_owners, layout, half)
+            count, step_buffer = _stage_states(stage, params, sharded, held, fp32_owners, layout, half)
         ranks.append(
             RankMemory(
                 stage=stage,
@@ -383,27 +384,28 @@ def _stage_states(
     stage: int,
     params: dict[int, tuple[nn.Parameter, list[str]]],
     tensor_parallel: set[int],
-    placement: _Placement,
+    held: Mapping[int, set[int]],
     fp32_owners: set[int],
     layout: Layout,
     half: torch.dtype | None,
 ) -> tuple[dict[str, int], int]:
     """Model states of one rank of ``stage`` (16-bit parameters and grads with fp32 masters under fp16/bf16, the
-    masters' share under ``shard_optimizer_state``) and the step buffer of that sharding."""
+    masters' share under ``shard_optimizer_state``) and the step buffer of that sharding; ``held`` gives the stages
+    holding each parameter."""
     count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
     trained_by_size: dict[int, int] = {}  # bytes per element in the run → trained elements (sharded buckets)
-    for param, names in params.values():
-        if stage not in placement.stages_of(names):
+    for key, (param, _) in params.items():
+        if stage not in held[key]:
             continue
-        elements = param.numel() // layout.tp if id(param) in tensor_parallel else param.numel()
-        size = param.element_size() if half is None or id(param) in fp32_owners else half.itemsize
+        elements = param.numel() // layout.tp if key in tensor_parallel else param.numel()
+        size = param.element_size() if half is None or key in fp32_owners else half.itemsize
         count["parameters"] += elements * size
         if not param.requires_grad:
             continue
         count["gradients"] += elements * size
         trained_by_size[size] = trained_by_size.get(size, 0) + elements
         updated = size
-        if half is not None and id(param) not in fp32_owners:
+        if half is not None and key not in fp32_owners:
             count["masters"] += elements * _MASTER_BYTES
             count["master_gradients"] += elements * _MASTER_BYTES
             updated = _MASTER_BYTES
@@ -593,21 +595,6 @@ def _layouts(devices: int) -> list[Layout]:
         for tp in range(1, devices // pp + 1)
         if devices % (pp * tp) == 0
     ]
-
-
-def _as_config(config: SMPConfig | Mapping[str, Any] | None) -> SMPConfig:
-    if config is None:
-        return SMPConfig()
-    if isinstance(config, SMPConfig):
-        return config
-    if not isinstance(config, Mapping):
-        raise ValueError(
-            f"config={type(config).__name__} is neither an SMPConfig nor a mapping of SMPStrategy keyword "
-            "arguments; pass e.g. config={'pipeline_parallel_degree': 2, 'fp16': True}."
-        )
-    kwargs = dict(config)
-    smp_options = kwargs.pop("smp_options", None)
-    return SMPConfig.from_sources(kwargs, smp_options=smp_options)
 
 
 def _as_bytes(memory: int | str | None) -> int | None:

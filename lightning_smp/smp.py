@@ -185,14 +185,16 @@ def end_run() -> None:
 
 
 @contextmanager
-def preview(config: SMPConfig, *, world_size: int) -> Generator[None, None, None]:
-    """Answer as rank 0 of a job of ``config`` over ``world_size`` processes (one node) without starting one: every
-    rank and size, and ``smp.state.cfg``; collectives and checkpoint helpers raise as outside a run. The memory
-    planner's command (``lightning-smp estimate``) builds a LightningModule's ``configure_model`` under it, so that
+def preview(config: SMPConfig | Mapping[str, Any], *, world_size: int) -> Generator[None, None, None]:
+    """Answer as rank 0 of a job of ``config`` (an `SMPConfig`, or `SMPStrategy`'s keyword arguments as a dict) over
+    ``world_size`` processes (one node) without starting one: every rank and size, and ``smp.state.cfg``;
+    collectives and checkpoint helpers raise as outside a run. The memory planner's command (``lightning-smp
+    estimate``) builds a LightningModule's ``configure_model`` under it, so that
     ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` builds the model of the planned layout."""
     global _record
     if _record.running:
         raise RuntimeError("smp.preview() inside a running SMPStrategy: the run already answers; remove the preview.")
+    config = SMPConfig.of(config)
     dp = config.data_parallel_degree(world_size)
     layout = rank_groups(
         config.placement_order, dp=dp, pp=config.pipeline_parallel_degree, tp=config.tensor_parallel_degree
@@ -600,9 +602,9 @@ def tp_register_with_module(module_cls: Any, dist_module: Any, *args: Any, **kwa
 _TP_REGISTER_INSTEAD = (
     "{call}() is not needed with lightning_smp: modules are split by plan, not by registered smp.nn modules. Name "
     "the custom module's layers in SMPStrategy(tensor_parallel_plan={{'blocks.*.fc': 'colwise', 'blocks.*.proj': "
-    "'rowwise'}}) (docs/concepts.md, Plan styles), or build it from torch layers lightning_smp splits by itself "
-    "(nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.Embedding) under smp.model_creation(tensor_parallelism="
-    "True); then remove the {call} call."
+    "'rowwise'}}) (docs/tensor-parallelism.md, Plan styles), or build it from torch layers lightning_smp splits by "
+    "itself (nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.Embedding) under "
+    "smp.model_creation(tensor_parallelism=True); then remove the {call} call."
 )
 
 

@@ -1,35 +1,52 @@
-"""A tiny GPT written as the smp docs tell users to write one, shared by the tests that train it under pipeline and
-tensor parallelism: layers built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=
-smp.tp_size() > 1)``, a ModuleList trunk for the pipeline, and a head tied to the token embedding. It has no
-training recipe: each test adds its own steps, optimizer and data.
+"""The tiny GPTs the tests train, in the two forms the package meets; each test adds its own steps, optimizer and
+data (`AdamWGPT` is the one recipe two test files share).
+
+`TinyGPT` is written as the smp docs tell users to write one: torch's ``nn.TransformerEncoderLayer`` blocks built
+in ``configure_model`` under ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``, a ModuleList trunk for
+the pipeline, and a head tied to the token embedding. `BlockGPT` is built at construction from
+`tests.models.TransformerBlock`, whose causal mask is a second positional argument (a pipeline does not send it
+between stages), with the head tied or not.
 """
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import smp
+from tests.models import TransformerBlock
 
-__all__ = ["HEADS", "SEQ", "VOCAB", "WIDTH", "TinyGPT", "token_batches"]
+__all__ = ["BLOCKS", "HEADS", "SEQ", "VOCAB", "WIDTH", "AdamWGPT", "BlockGPT", "TinyGPT", "token_batches"]
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
+BLOCKS = 4  # BlockGPT's trunk: enough for four pipeline stages, or two of two virtual stages each
 
 
-def token_batches(seed: int, samples: int) -> tuple[Tensor, Tensor]:
+def token_batches(seed: int, samples: int, vocab: int = VOCAB) -> tuple[Tensor, Tensor]:
     """``samples`` random sequences as (inputs, next-token targets), each (samples, SEQ)."""
-    tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, vocab, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
 
 
 class TinyGPT(pl.LightningModule):
     """Embeddings, two torch transformer layers (packed q/k/v: split in three blocks under tensor parallelism), a
     head tied to the token embedding; ``vocab_parallel`` uses smp.nn's vocabulary-parallel embedding and LM head.
-    The same weights on every rank and in every layout (seeded in `configure_model`)."""
+    The same weights on every rank and in every layout (seeded in `configure_model`).
 
-    def __init__(self, *, vocab_parallel: bool = False) -> None:
+    Args:
+        vocab: the vocabulary size.
+        ff: the width of each layer's feed-forward network.
+        activation: the feed-forward network's activation, as ``nn.TransformerEncoderLayer`` takes it.
+    """
+
+    def __init__(
+        self, *, vocab_parallel: bool = False, vocab: int = VOCAB, ff: int = 2 * WIDTH, activation: str = "relu"
+    ) -> None:
         super().__init__()
         self.vocab_parallel = vocab_parallel
+        self.vocab, self.ff, self.activation = vocab, ff, activation
         self.blocks: nn.ModuleList | None = None
 
     def configure_model(self) -> None:
@@ -38,15 +55,19 @@ class TinyGPT(pl.LightningModule):
         torch.manual_seed(0)
         embedding = smp.nn.DistributedEmbedding if self.vocab_parallel else nn.Embedding
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-            self.tok = embedding(VOCAB, WIDTH)
+            self.tok = embedding(self.vocab, WIDTH)
             self.pos = nn.Embedding(SEQ, WIDTH)
             self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(WIDTH, HEADS, 2 * WIDTH, dropout=0.0, batch_first=True, norm_first=True)
+                nn.TransformerEncoderLayer(
+                    WIDTH, HEADS, self.ff, dropout=0.0, activation=self.activation, batch_first=True, norm_first=True
+                )
                 for _ in range(2)
             )
             self.norm = nn.LayerNorm(WIDTH)
             self.head = (
-                smp.nn.DistributedLMHead(WIDTH, VOCAB) if self.vocab_parallel else nn.Linear(WIDTH, VOCAB, bias=False)
+                smp.nn.DistributedLMHead(WIDTH, self.vocab)
+                if self.vocab_parallel
+                else nn.Linear(WIDTH, self.vocab, bias=False)
             )
         self.head.weight = self.tok.weight
 
@@ -63,3 +84,47 @@ class TinyGPT(pl.LightningModule):
         if self.vocab_parallel:
             return self.head.loss(self(ids), target)
         return F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())
+
+
+class AdamWGPT(TinyGPT):
+    """`TinyGPT` trained on 32 random sequences in steps of 8 per model replica with AdamW and a per-step StepLR, so
+    that optimizer state and the LR schedule cross a checkpoint. Each tensor-parallel rank reads its share of the 8
+    (``prescaled_batch=False``), so every layout steps on the same samples."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8 // smp.tp_size())
+
+
+class BlockGPT(pl.LightningModule):
+    """Token and position embeddings, a ModuleList trunk of `BLOCKS` `TransformerBlock`s (with ``dropout`` after
+    each MLP when it is > 0), a final norm and a head, tied to the token embedding unless ``tied=False``; built at
+    construction, from the global RNG."""
+
+    def __init__(self, *, tied: bool = True, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(TransformerBlock(WIDTH, dropout=dropout) for _ in range(BLOCKS))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.wte.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).triu(1)  # (T, T): True above the diagonal
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))  # (B, T, W)
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))  # (B, T, VOCAB)
+
+    def loss(self, batch: Tensor) -> Tensor:
+        """The mean next-token cross entropy of a (B, SEQ + 1) token batch, in fp32."""
+        logits = self(batch[:, :-1])
+        return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))

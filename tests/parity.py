@@ -15,8 +15,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DistributedSampler
 
-from lightning_smp.loss_scaler import DynamicLossScaler
-from lightning_smp.optimizer import MasterWeightOptimizer
 from tests.distributed import run_distributed
 
 __all__ = [
@@ -47,8 +45,9 @@ def single_device_run(
     clip_norm: float | None = None,
 ) -> dict[str, Any]:
     """``steps`` steps in plain PyTorch on the global batch (the data-parallel replicas' batches together, in
-    Lightning's shuffled order): fp32, or fp16 with fp32 master weights (the package's optimizer), optionally
-    clipping the gradient norm as Lightning's ``gradient_clip_val`` does.
+    Lightning's shuffled order): fp32, or fp16 parameters with fp32 master copies and smp's dynamic loss scale
+    (`_master_step`, written here without the package's optimizer); optionally clipping the gradient norm as
+    Lightning's ``gradient_clip_val`` does.
 
     ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
     used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
@@ -60,10 +59,10 @@ def single_device_run(
     optimizer = optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer
     if fp16:
         model.half()
-        optimizer = MasterWeightOptimizer(
-            type(optimizer)(model.parameters(), **optimizer.defaults),
-            loss_scaler=DynamicLossScaler.from_args({"init_scale": init_scale}),
-        )
+        params = list(model.parameters())
+        masters = [param.detach().float().clone() for param in params]
+        optimizer = type(optimizer)(masters, **optimizer.defaults)
+        scale, skipped = _LossScale(init_scale), 0
     dataset = model.train_dataloader().dataset
     batch_size = model.train_dataloader().batch_size
     samplers = [DistributedSampler(dataset, num_replicas=replicas, rank=r, seed=0) for r in range(replicas)]
@@ -80,21 +79,60 @@ def single_device_run(
             batch = [t.half() if t.is_floating_point() else t for t in batch] if isinstance(batch, tuple) else batch
         value = loss(model, batch, step)
         losses.append(value.item())
-        optimizer.zero_grad()
-        (value.float() * (optimizer.loss_scale if fp16 else 1.0)).backward()
+        model.zero_grad()
         if fp16:
-            optimizer.note_backward()
-            if clip_norm is not None:
-                optimizer.clip_master_grads(clip_norm)
-        elif clip_norm is not None:
+            (value.float() * scale.value).backward()
+            skipped += _master_step(params, masters, optimizer, scale, clip_norm)
+            continue
+        value.backward()
+        if clip_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         optimizer.step()
     return {
         "losses": losses,
         "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
-        "skipped": optimizer.skipped_steps.item() if fp16 else 0.0,
-        "scale": optimizer.loss_scale if fp16 else None,
+        "skipped": skipped if fp16 else 0.0,
+        "scale": scale.value if fp16 else None,
     }
+
+
+class _LossScale:
+    """smp's dynamic loss scale with its defaults but ``init_scale``: halved (down to 1) by a step whose gradients
+    overflow, doubled after 1000 clean steps in a row."""
+
+    def __init__(self, init_scale: float) -> None:
+        self.value, self._clean = init_scale, 0
+
+    def update(self, overflow: bool) -> None:
+        self._clean = 0 if overflow else self._clean + 1
+        if overflow:
+            self.value = max(self.value / 2, 1.0)
+        elif self._clean % 1000 == 0:
+            self.value *= 2
+
+
+@torch.no_grad()
+def _master_step(
+    params: list[Tensor], masters: list[Tensor], optimizer: Any, scale: _LossScale, clip_norm: float | None
+) -> bool:
+    """One fp16 step: the fp16 grads, unscaled in fp32, become the masters' grads; if any is inf or NaN the step is
+    skipped, else they are clipped by their global norm (``clip_norm``), the optimizer updates the masters and
+    the fp16 parameters take their rounded values. Returns whether it skipped."""
+    for param, master in zip(params, masters, strict=True):
+        master.grad = None if param.grad is None else param.grad.float() / scale.value
+    grads = [master.grad for master in masters if master.grad is not None]
+    overflow = not all(torch.isfinite(grad).all() for grad in grads)
+    scale.update(overflow)
+    if overflow:
+        return True
+    if clip_norm is not None:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(grad) for grad in grads]))
+        for grad in grads:
+            grad.mul_(min(1.0, clip_norm / (norm.item() + 1e-6)))
+    optimizer.step()
+    for param, master in zip(params, masters, strict=True):
+        param.copy_(master)
+    return False
 
 
 def one_process(target: Callable[..., Any], *args: Any, timeout: float) -> Any:

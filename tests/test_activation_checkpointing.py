@@ -7,10 +7,8 @@ between forward and backward, and loads ``activation_loading_horizon`` modules a
 import gc
 import weakref
 
-import lightning.pytorch as pl
 import pytest
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
@@ -19,10 +17,10 @@ import lightning_smp.strategy
 from lightning_smp import SMPStrategy, activation_checkpointing, smp
 from lightning_smp.activation_offloading import ActivationOffloader
 from tests.distributed import run_distributed
-from tests.models import TinyRegressor, TransformerBlock, quiet_trainer
+from tests.gpt import BLOCKS, SEQ, VOCAB, BlockGPT
+from tests.models import TinyRegressor, quiet_trainer
 
-WIDTH, DEPTH = 16, 4
-VOCAB, SEQ, STEPS = 32, 8, 6
+WIDTH, DEPTH, STEPS = 16, BLOCKS, 6
 
 
 class _Block(nn.Module):
@@ -151,15 +149,12 @@ def test_only_modules_can_be_checkpointed():
 # -- offloading -------------------------------------------------------------------------------------------------
 
 
-class _GPT(pl.LightningModule):
-    """Token and position embeddings, an nn.ModuleList trunk of transformer blocks with dropout (checkpointed one
-    by one unless ``checkpoint=False``), a final norm and a head."""
+class _GPT(BlockGPT):
+    """`tests.gpt.BlockGPT` with dropout in its blocks and an untied head, its trunk checkpointed block by block
+    unless ``checkpoint=False``."""
 
     def __init__(self, checkpoint: bool = True) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(TransformerBlock(WIDTH, dropout=0.1) for _ in range(DEPTH))
-        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+        super().__init__(tied=False, dropout=0.1)
         self.tokens = torch.randint(0, VOCAB, (32, SEQ + 1), generator=torch.Generator().manual_seed(1))
         self._checkpoint = checkpoint
 
@@ -167,16 +162,8 @@ class _GPT(pl.LightningModule):
         if self._checkpoint:
             smp.set_activation_checkpointing(self.blocks)
 
-    def forward(self, idx: Tensor) -> Tensor:
-        mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).triu(1)  # (T, T): True above the diagonal
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))  # (B, T, W)
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.head(self.norm(x))  # (B, T, VOCAB)
-
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+        return self.loss(batch)
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)

@@ -64,13 +64,17 @@ def test_pipeline_messages_reports_ours_and_torch_per_compute_time(tmp_path: Pat
     assert all(_positive(row["ours_s"]) and _positive(row["torch_s"]) for row in rows)
 
 
-def test_pipeline_timeline_prints_both_ranks_actions() -> None:
+def test_pipeline_timeline_prints_both_ranks_actions_and_writes_a_trace_and_a_picture(tmp_path: Path) -> None:
+    small = ("--width", "16", "--batch", "32", "--steps", "8", "--warmup", "2", "--show", "4")
     stdout = _run(
-        "pipeline_timeline.py", "--width", "16", "--batch", "32", "--steps", "8", "--warmup", "2", "--show", "4"
+        "pipeline_timeline.py", *small, "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")
     )
     for rank in (0, 1):
         assert f"rank {rank}: step=" in stdout
     assert "F0[" in stdout and "B0[" in stdout
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {(e["tid"], e["name"]) for e in events if e["ph"] == "X"} >= {(r, f"{k}0") for r in (0, 1) for k in "FB"}
+    assert (tmp_path / "t.png").stat().st_size > 0
 
 
 def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:

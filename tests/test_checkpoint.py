@@ -17,14 +17,13 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim.lr_scheduler import StepLR
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
 from lightning_smp.checkpoint import CheckpointError, loading, storage
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
 from lightning_smp.placement import TPShard, place_tp_shard
 from tests.distributed import run_distributed
-from tests.gpt import TinyGPT, token_batches
+from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
 from tests.parity import FP16_REL, mean_losses, one_process
 
@@ -121,22 +120,6 @@ GPT_LAYOUTS = {
 }
 
 
-class _GPT(TinyGPT):
-    """The tiny GPT (packed q/k/v split in three blocks under tensor parallelism, a tied head) with AdamW and a
-    per-step StepLR."""
-
-    def training_step(self, batch, batch_idx):
-        return self.loss(batch)
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
-
-    def train_dataloader(self):
-        # each tensor-parallel rank reads its share (prescaled_batch=False): every layout steps on 8 samples
-        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8 // smp.tp_size())
-
-
 class _StepLosses(Callback):
     """The step's loss as every rank sees it (a pipeline's last stage broadcasts it)."""
 
@@ -152,7 +135,7 @@ def _fit_gpt(layout, dirpath, ckpt_path=None):
     losses = _StepLosses()
     trainer = _trainer({**GPT_LAYOUTS[layout], **GPT_FP16}, dirpath, 2, int(os.environ["WORLD_SIZE"]))
     trainer.callbacks.append(losses)
-    trainer.fit(_GPT(), ckpt_path=ckpt_path)
+    trainer.fit(AdamWGPT(), ckpt_path=ckpt_path)
     return losses.losses
 
 

@@ -14,6 +14,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_smp import SMPConfig, SMPPrecision, SMPStrategy, cli
 from lightning_smp.memory import parse_bytes
+from tests.distributed import run_distributed
 
 _ROOT = Path(__file__).resolve().parents[1]
 _CONFIGS = _ROOT / "examples" / "configs"
@@ -125,22 +126,31 @@ def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.Comp
     return result
 
 
+def _fit_from_the_root(rank: int, argv: list[str]) -> None:
+    os.chdir(_ROOT)  # the configs name examples.gpt_char.GPTCharLM
+    cli.main(argv)
+
+
 @pytest.mark.parametrize("name", sorted(path.stem for path in _CONFIGS.glob("*.yaml")))
 def test_example_config_runs_briefly_on_cpu(name: str, tmp_path: Path) -> None:
-    """Each config, 2 steps on CPU from the repository root; dp.yaml through the console script (whose
-    ``sys.path`` starts at the venv's bin/, so this also checks that the working directory is importable), the
-    others through ``python -m lightning_smp``."""
+    """Each config, 2 steps on CPU from the repository root: dp.yaml through the console script (whose ``sys.path``
+    starts at the venv's bin/, so this also checks that the working directory is importable) and tp.yaml through
+    ``python -m lightning_smp``, their ranks launched by Lightning; the others in ranks `run_distributed` starts
+    (as torchrun would), which spares the imports of a fresh interpreter per rank."""
     config = _CONFIGS / f"{name}.yaml"
     if name.startswith("hf_"):
         pytest.importorskip("transformers")  # the extra "hf"; the "test" extra installs it
+    extra = [f"--trainer.default_root_dir={tmp_path}", "--data.num_files=3", "--data.batch_size=8"]
+    argv = ["fit", "--config", str(config), *_BRIEF, *extra]
     if name == "dp":
         script = Path(sys.executable).with_name("lightning-smp")
         assert script.exists(), "the console script is missing: run `pip install -e .` (scripts/setup.sh does)"
-        command = [str(script)]
+        _run([str(script), *argv], cwd=_ROOT)
+    elif name == "tp":
+        _run([sys.executable, "-m", "lightning_smp", *argv], cwd=_ROOT)
     else:
-        command = [sys.executable, "-m", "lightning_smp"]
-    extra = [f"--trainer.default_root_dir={tmp_path}", "--data.num_files=3", "--data.batch_size=8"]
-    _run([*command, "fit", "--config", str(config), *_BRIEF, *extra], cwd=_ROOT)
+        devices = yaml.safe_load(config.read_text())["trainer"]["devices"]
+        run_distributed(_fit_from_the_root, devices, argv, timeout=240)
     metrics = (tmp_path / "lightning_logs" / "version_0" / "metrics.csv").read_text()
     assert "train_loss" in metrics and "val_loss" in metrics
     if "fp16" in config.read_text():
@@ -187,6 +197,7 @@ def test_estimate_prints_the_configured_layout_and_the_layouts_that_fit(
 
 def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(_ROOT)
+    monkeypatch.delenv("PL_GLOBAL_SEED", raising=False)
     with pytest.raises(SystemExit):
         cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml"), "--devices", "4"])
     assert "--devices lists the layouts that fit a device: give --device-memory too" in capsys.readouterr().err
@@ -196,6 +207,7 @@ def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys
     cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml")])
     out = capsys.readouterr().out
     assert "pp=1 x tp=2 x dp=1" in out and "not estimated: give micro_batch_size and sequence_length" in out
+    assert "PL_GLOBAL_SEED" not in os.environ  # a plan seeds nothing: processes started later build their own
 
 
 def test_a_setting_left_out_of_the_yaml_does_not_override_smp_options(tmp_path: Path) -> None:

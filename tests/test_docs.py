@@ -1,4 +1,5 @@
-"""The docs: ``mkdocs build --strict`` passes, and the two generated parts cannot drift from the code.
+"""The docs' generated parts cannot drift from the code, and their links lead somewhere (the site's build, its
+API pages and pictures are checked in tests/test_docs_site.py).
 
 - docs/configuration.md holds a table of every `SMPConfig` field (default, meaning from the field's docstring,
   smp equivalent, status from ``config._INACTIVE_SETTINGS``): it must equal what
@@ -18,7 +19,6 @@ import importlib
 import inspect
 import itertools
 import re
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -281,7 +281,8 @@ _FIXES = {
     "pipelined run that failed part-way; a new run in the same process cannot pick up its messages.",
     "attn_mask": "Pass an attention mask of shape (T, S) or (B * num_heads, T, S), as `nn.MultiheadAttention` takes.",
     "query has embedding dim": "Feed the attention layer inputs of the `embed_dim` it was built with.",
-    "is not a style": "Use one of the styles the message suggests; docs/concepts.md (Plan styles) says what each does.",
+    "is not a style": "Use one of the styles the message suggests; docs/tensor-parallelism.md (Plan styles) says "
+    "what each does.",
     "unknown tensor-parallelism option": "Remove the option or correct its name as the message suggests.",
     "matches no module of the model": "Correct the pattern (dotted module path, `*` matches one component) so that "
     "it names a module of the LightningModule; the message lists close names.",
@@ -578,22 +579,10 @@ def test_error_scan_reads_fstrings_and_concatenations(tmp_path: Path) -> None:
     ]
 
 
-def test_mkdocs_build_is_clean_with_warnings_as_errors(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert (tmp_path / "site" / "configuration" / "index.html").exists()
-
-
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
-@pytest.mark.parametrize("page", ["README.md", *sorted(f"docs/{p.name}" for p in _DOCS.glob("*.md"))])
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(_ROOT).as_posix() for p in _DOCS.rglob("*.md"))])
 def test_relative_links_point_at_files_that_exist(page: str) -> None:
     """mkdocs only checks links between pages (mkdocs.yml reports the others as info): this checks them all."""
     path = _ROOT / page

@@ -24,8 +24,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.fault_tolerance import MAX_STEPS_BETWEEN_VOTES, close_process_groups, end_launched_ranks
 from tests.distributed import run_distributed
+from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
-from tests.test_checkpoint import _GPT
 
 TIMEOUT_S = 20  # the job's process-group timeout
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,8 +159,8 @@ def _threads() -> list[str]:
 def _three_runs_then_exit(rank: int) -> dict[str, list[str]]:
     """dp=2 fp16, tp=2 and pp=2 fits in one process (as in a notebook), then what runs at interpreter exit."""
     torch.set_num_threads(1)
-    runs = [({"fp16": True}, TinyRegressor()), ({"tensor_parallel_degree": 2}, _GPT())]
-    runs.append(({"pipeline_parallel_degree": 2, "microbatches": 2}, _GPT()))
+    runs = [({"fp16": True}, TinyRegressor()), ({"tensor_parallel_degree": 2}, AdamWGPT())]
+    runs.append(({"pipeline_parallel_degree": 2, "microbatches": 2}, AdamWGPT()))
     for strategy_kwargs, model in runs:
         trainer = quiet_trainer(SMPStrategy(**strategy_kwargs), devices=2, max_steps=2, limit_val_batches=0)
         trainer.fit(model)

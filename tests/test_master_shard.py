@@ -59,7 +59,9 @@ def _state_bytes(optimizer: MasterWeightOptimizer) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
-def _fit(strategy_kwargs: dict, *, batch_size: int = PER_RANK_BATCH, dirpath=None, ckpt_path=None) -> dict:
+def _fit(
+    strategy_kwargs: dict, *, batch_size: int = PER_RANK_BATCH, dirpath=None, ckpt_path=None, accumulate: int = 1
+) -> dict:
     torch.manual_seed(0)
     model = TinyRegressor(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=64, batch_size=batch_size)
     record = _Record()
@@ -71,6 +73,7 @@ def _fit(strategy_kwargs: dict, *, batch_size: int = PER_RANK_BATCH, dirpath=Non
         devices=int(os.environ["WORLD_SIZE"]),
         max_epochs=STEPS // SAVED_AT,
         gradient_clip_val=0.1,
+        accumulate_grad_batches=accumulate,
         callbacks=callbacks,
         enable_checkpointing=dirpath is not None,
     )
@@ -101,6 +104,9 @@ def _dp2_job(rank: int, root: str) -> dict:
         saves = name == "fp16"
         results[name] = _fit(precision, dirpath=root / "fp16_plain" if saves else None)
         results[f"{name}_sharded"] = _fit({**precision, **SHARD}, dirpath=root / "fp16" if saves else None)
+    for name, precision in (("fp32", {}), ("fp16", FP16)):  # two batches per optimizer step
+        results[f"{name}_accumulated"] = _fit(precision, accumulate=2)
+        results[f"{name}_accumulated_sharded"] = _fit({**precision, **SHARD}, accumulate=2)
     saved = root / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
     results["resumed_unsharded"] = _fit(FP16, ckpt_path=saved)
     results["resumed_sharded"] = _fit({**FP16, **SHARD}, ckpt_path=saved)
@@ -159,6 +165,15 @@ def test_dp2_sharded_matches_the_unsharded_run(dp2, name, rel):
     if name == "fp16":
         assert dp2[0]["fp16"]["skipped"] >= 1  # the comparison covers the overflow path
         assert dp2[0]["fp16_sharded"]["skipped"] == dp2[1]["fp16_sharded"]["skipped"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("name", "rel"), [("fp32", 1e-5), ("fp16", 2e-2)])
+def test_dp2_sharded_accumulates_gradients_as_the_unsharded_run(dp2, name, rel):
+    for rank in dp2:
+        plain = rank[f"{name}_accumulated"]
+        assert len(plain["norms"]) == STEPS // 2  # the 12 batches made 6 optimizer steps
+        _assert_same_run(rank[f"{name}_accumulated_sharded"], plain, rel)
 
 
 @pytest.mark.timeout(600)

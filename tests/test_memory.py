@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from benchmarks import memory_scale
 from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
 from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
+from tests.distributed import run_distributed
 
 _REPO = Path(__file__).resolve().parents[1]
 VOCAB, WIDTH, HEADS, FF, LAYERS = 64, 16, 2, 32, 4
@@ -346,19 +348,40 @@ def test_bad_inputs_name_the_fix():
 # -- against the live ranks -------------------------------------------------------------------------------------------
 
 
+def _measure_in_ranks(rank: int, jobs: list[tuple[str, str]], directory: str) -> None:
+    for layout, head in jobs:
+        memory_scale.run_layout(layout, head, "smoke", f"{directory}/{layout}_{head}.json", delayed_init=False)
+
+
 def _measured_and_planned(tmp_path: Path, layouts: str, heads: str = "untied,tied") -> dict:
+    """`benchmarks/memory_scale.py --size smoke`'s rows and summary for these layouts and heads, run one launch per
+    world size (the script starts a fresh interpreter per layout and per rank; `test_the_script_...` runs it)."""
+    jobs = [(layout, head) for head in heads.split(",") for layout in layouts.split(",")]
+    worlds: dict[int, list[tuple[str, str]]] = {}
+    for layout, head in jobs:
+        pp, tp, dp, *_ = memory_scale.LAYOUTS[layout]
+        worlds.setdefault(pp * tp * dp, []).append((layout, head))
+    for world, in_world in worlds.items():
+        run_distributed(_measure_in_ranks, world, in_world, str(tmp_path), timeout=240)
+    rows = [memory_scale.row(layout, head, "smoke", str(tmp_path / f"{layout}_{head}.json")) for layout, head in jobs]
+    return {"rows": rows, "summary": memory_scale.summarise(rows)}
+
+
+def test_the_script_measures_and_plans_a_layout(tmp_path):
     out = tmp_path / "memory_scale.json"
     command = [sys.executable, str(_REPO / "benchmarks" / "memory_scale.py"), "--size", "smoke"]
-    command += ["--layouts", layouts, "--heads", heads, "--out", str(out)]
+    command += ["--layouts", "1", "--heads", "untied", "--out", str(out)]
     try:
-        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=1150)
+        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=280)
     except subprocess.TimeoutExpired:
-        pytest.fail("benchmarks/memory_scale.py --size smoke ran past 1150 s", pytrace=False)
+        pytest.fail("benchmarks/memory_scale.py --size smoke ran past 280 s", pytrace=False)
     assert done.returncode == 0, f"memory_scale.py failed:\n{done.stderr[-3000:]}"
-    return json.loads(out.read_text())
+    (row,) = json.loads(out.read_text())["rows"]
+    assert (row["layout"], row["head"], len(row["ranks"])) == ("1", "untied", 1)
+    _assert_planned_within_10_percent([row])
 
 
-@pytest.mark.timeout(1200)  # eight short fits in fresh processes, up to four ranks each
+@pytest.mark.timeout(600)  # eight short fits, in launches of one, two and four ranks
 def test_planned_model_states_are_within_10_percent_of_the_measured_bytes(tmp_path):
     """One device, tp2, pp2 and pp2 x tp2, tied and untied head: every rank's parameters + gradients + masters +
     master gradients + optimizer state as the planner counts them, against the live tensors of a two-step fit."""
@@ -381,7 +404,7 @@ def _assert_planned_within_10_percent(rows: list[dict]) -> None:
             assert abs(planned / measured - 1) <= 0.10, (row["layout"], row["head"], rank["rank"], planned, measured)
 
 
-@pytest.mark.timeout(900)  # three short fits in fresh processes, two ranks each
+@pytest.mark.timeout(600)  # three short fits, in one launch of two ranks
 def test_sharded_optimizer_state_and_sharded_data_parallel_at_dp2_as_planned(tmp_path):
     """dp2, dp2 with shard_optimizer_state and sdp2 (sharded_data_parallel_degree=2, every module sharded): the
     planner within 10% of every rank's live bytes; each ZeRO-1 rank's fp32 masters + optimizer state at most 0.52 of

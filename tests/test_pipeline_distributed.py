@@ -18,18 +18,18 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
-from tests.models import TransformerBlock, quiet_trainer, small_cnn
+from tests.gpt import SEQ, VOCAB, WIDTH, BlockGPT
+from tests.models import quiet_trainer, small_cnn
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses, single_device_run
 
 STEPS = 10
-VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
 
 # -- models ----------------------------------------------------------------------------------------------------
 
 
-class TinyGPT(pl.LightningModule):
-    """Token + position embeddings before a ModuleList trunk, a final norm and a head tied to the embedding
-    (``tied=False``: a head of its own); ``checkpoint``: the trunk's activation-checkpointing strategy, if any."""
+class TinyGPT(BlockGPT):
+    """`tests.gpt.BlockGPT` (tied head unless ``tied=False``) with its data, steps and optimizer; ``checkpoint``: the
+    trunk's activation-checkpointing strategy, if any."""
 
     def __init__(
         self,
@@ -41,30 +41,12 @@ class TinyGPT(pl.LightningModule):
         checkpoint: str | None = None,
         tied: bool = True,
     ) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.wpe = nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(TransformerBlock(WIDTH) for _ in range(BLOCKS))
+        super().__init__(tied=tied)
         if checkpoint:
             smp.set_activation_checkpointing(self.blocks, strategy=checkpoint)
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        if tied:
-            self.head.weight = self.wte.weight
         self.lr, self.optimizer_name, self.batch_size = lr, optimizer, batch_size
         generator = torch.Generator().manual_seed(1)
         self.tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=generator)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).triu(1)
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
-        for block in self.blocks:
-            x = block(x, mask)
-        return self.head(self.norm(x))
-
-    def loss(self, batch: Tensor) -> Tensor:
-        logits = self(batch[:, :-1])
-        return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
 
     def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
         loss = self.loss(batch)

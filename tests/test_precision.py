@@ -280,7 +280,7 @@ def test_checkpoint_resume_continues_bit_identically(tmp_path):
 
 
 class _CompilesItsNet(TinyRegressor):
-    """Compiles its network in ``configure_model``, the way docs/concepts.md recommends."""
+    """Compiles its network in ``configure_model``, the way docs/train-on-one-node.md recommends."""
 
     def __init__(self, backend, **kwargs):
         super().__init__(**kwargs)

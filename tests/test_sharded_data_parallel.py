@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.config import SMPConfig
-from tests.distributed import init_gloo, run_distributed
+from tests.distributed import init_gloo, launch_once, run_distributed
 from tests.gpt import TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process
@@ -135,14 +135,8 @@ def _four_rank_runs(rank: int) -> dict:
     return runs
 
 
-_launched: dict[int, list[dict]] = {}
-
-
 def _launch(world: int) -> list[dict]:
-    if world not in _launched:
-        target = _data_parallel_runs if world == 2 else _four_rank_runs
-        _launched[world] = run_distributed(target, world, timeout=500)
-    return _launched[world]
+    return launch_once(_data_parallel_runs if world == 2 else _four_rank_runs, world, timeout=500)
 
 
 def _assert_same_training(ranks: list[dict], plain: str, sharded: str, *, fp16: bool) -> None:

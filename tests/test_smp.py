@@ -531,3 +531,15 @@ def test_preview_answers_a_planned_layout_and_refuses_process_groups():
     assert (smp.tp_size(), smp.pp_size(), smp.state.cfg) == before  # the facade answers as before the preview
     with pytest.raises(ValueError, match="does not divide the world size 6"), smp.preview(config, world_size=6):
         pass
+
+
+def test_preview_takes_the_strategys_keyword_arguments_as_a_dict():
+    """The form docs/choosing-a-layout.md shows: the same dict SMPStrategy(**kwargs) and estimate_memory take."""
+    options = {"enabled": True, "parameters": {"pipeline_parallel_degree": 2}}
+    with smp.preview({"tensor_parallel_degree": 2, "smp_options": options, "fp16": True}, world_size=8):
+        assert (smp.tp_size(), smp.pp_size(), smp.rdp_size()) == (2, 2, 2) and smp.state.cfg.fp16
+    with (
+        pytest.raises(ValueError, match="did you mean 'tensor_parallel_degree'"),
+        smp.preview({"tensor_parallel_degre": 2}, world_size=2),
+    ):
+        pass

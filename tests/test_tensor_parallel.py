@@ -23,85 +23,50 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
-from lightning_smp import SMPStrategy, smp
+from lightning_smp import SMPStrategy
 from lightning_smp.tensor_parallel import gather_shards, shard_of
-from tests.distributed import init_gloo, run_distributed
+from tests.distributed import init_gloo, launch_once
+from tests.gpt import WIDTH, TinyGPT, token_batches
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses
 
 STEPS = 10
 GLOBAL_BATCH = 8
-VOCAB, D, HEADS, LAYERS, SEQ = 64, 16, 4, 2, 8
+VOCAB, D = 64, WIDTH
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**20, "scale_window": 4}}
 PLAN = {"blocks.*.fc": "colwise", "blocks.*.proj": "rowwise"}
 
 
-class _TinyGPT(pl.LightningModule):
-    """A GPT-like model from torch layers; ``vocab_parallel`` swaps in smp.nn's embedding and LM head."""
+class _TinyGPT(TinyGPT):
+    """`tests.gpt.TinyGPT` with a 64-token vocabulary and a GELU feed-forward network 4 x wide, trained with AdamW;
+    ``samples`` counts the samples it saw (a torchmetrics metric), ``losses`` every step's loss."""
 
     def __init__(self, per_rank_batch: int, *, vocab_parallel: bool = False) -> None:
-        super().__init__()
+        super().__init__(vocab_parallel=vocab_parallel, vocab=VOCAB, ff=4 * D, activation="gelu")
         self.per_rank_batch = per_rank_batch
-        self.vocab_parallel = vocab_parallel
-        self.blocks: nn.ModuleList | None = None
         self.samples = SumMetric()
         self.losses: list[float] = []
 
-    def configure_model(self) -> None:
-        if self.blocks is not None:
-            return
-        torch.manual_seed(0)
-        embedding = smp.nn.DistributedEmbedding if self.vocab_parallel else nn.Embedding
-        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-            self.tok = embedding(VOCAB, D)
-            self.pos = nn.Embedding(SEQ, D)
-            self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(
-                    D, HEADS, 4 * D, dropout=0.0, activation="gelu", batch_first=True, norm_first=True
-                )
-                for _ in range(LAYERS)
-            )
-            self.norm = nn.LayerNorm(D)
-            self.head = smp.nn.DistributedLMHead(D, VOCAB) if self.vocab_parallel else nn.Linear(D, VOCAB, bias=False)
-        self.head.weight = self.tok.weight  # tied
-
-    def forward(self, ids: Tensor) -> Tensor:
-        h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # (B, T, D)
-        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=h.dtype)
-        for block in self.blocks:
-            h = block(h, src_mask=mask, is_causal=True)
-        return self.head(self.norm(h))  # (B, T, V), or (B, T, V/tp) vocab-parallel
-
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        ids, target = batch
-        logits = self(ids)
-        if self.vocab_parallel:
-            loss = self.head.loss(logits, target)
-        else:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        loss = self.loss(batch)
         self.losses.append(loss.item())  # sync: fine for tests
-        self.samples.update(torch.tensor(float(ids.shape[0])))
+        self.samples.update(torch.tensor(float(batch[0].shape[0])))
         self.log("samples", self.samples, on_step=False, on_epoch=True)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        ids, target = batch
-        loss = F.cross_entropy(self(ids).float().flatten(0, 1), target.flatten())
-        self.log("val_loss", loss, sync_dist=True)  # a mean over the data-parallel replicas only
+        self.log("val_loss", self.loss(batch), sync_dist=True)  # a mean over the data-parallel replicas only
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self._tokens(STEPS * GLOBAL_BATCH, seed=1), batch_size=self.per_rank_batch)
+        tokens = token_batches(seed=1, samples=STEPS * GLOBAL_BATCH, vocab=VOCAB)
+        return DataLoader(TensorDataset(*tokens), batch_size=self.per_rank_batch)
 
     def val_dataloader(self) -> DataLoader:
-        return DataLoader(self._tokens(2 * GLOBAL_BATCH, seed=3), batch_size=self.per_rank_batch)
-
-    @staticmethod
-    def _tokens(samples: int, seed: int) -> TensorDataset:
-        tokens = torch.randint(0, VOCAB, (samples, SEQ + 1), generator=torch.Generator().manual_seed(seed))
-        return TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        tokens = token_batches(seed=3, samples=2 * GLOBAL_BATCH, vocab=VOCAB)
+        return DataLoader(TensorDataset(*tokens), batch_size=self.per_rank_batch)
 
 
 class _ResidualMlp(nn.Module):
@@ -171,13 +136,20 @@ class _Record(Callback):
 
 
 def _fit(
-    rank: int, model: pl.LightningModule, strategy_kwargs: dict, *, warns: str | None = None, validate: bool = False
+    rank: int,
+    model: pl.LightningModule,
+    strategy_kwargs: dict,
+    *,
+    warns: str | None = None,
+    validate: bool = False,
+    accumulate: int = 1,
 ) -> dict:
     recorder = _Record(gradients=not strategy_kwargs.get("fp16"))
     trainer = quiet_trainer(
         SMPStrategy(**strategy_kwargs),
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
         callbacks=[recorder],
         num_sanity_val_steps=0,
         check_val_every_n_epoch=2,  # validation runs once, after fit (a second setup of the split model)
@@ -207,15 +179,10 @@ _SHARED_WEIGHT = r"keeps 1 module\(s\) whole.*tok \(Embedding\): its weight tok.
 
 def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
     """Every check of one launch; ``layouts`` are ``(tensor_parallel_degree, also fp16 / plan / vocab runs)``."""
-    from tests import test_tensor_parallel_layers as layers  # imports this module: import it late
-
     world = int(os.environ["WORLD_SIZE"])
     results = {}
     if world > 1:
         init_gloo()  # the Trainers below find and keep this default group
-        results["layers"] = layers.check_layers()
-        results["dropout"] = layers.check_dropout()
-        results["checkpointed_dropout"] = layers.check_checkpointed_dropout()
     for tp, everything in layouts:
         dp = world // tp
         # every rank reads its own share (prescaled_batch=False): a tensor-parallel group trains on tp of them
@@ -225,25 +192,19 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
         if everything:
             results[f"gpt_fp16_{key}"] = _fit(rank, _TinyGPT(batch), {**FP16, **degree}, warns=warning)
             results[f"mlp_{key}"] = _fit(rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN})
+            results[f"mlp_accumulated_{key}"] = _fit(
+                rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN}, accumulate=2
+            )
             results[f"vocab_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), degree)
     return results
 
 
 _LAYOUTS = {1: [(1, True)], 2: [(2, True)], 4: [(4, False), (2, False)]}
-_launched: dict[int, list[dict] | BaseException] = {}
 
 
 def launch(world: int) -> list[dict]:
-    """Every multi-process record of one world size, from one launch per test session (the first caller waits)."""
-    if world not in _launched:
-        try:
-            _launched[world] = run_distributed(_run_all, world, _LAYOUTS[world], timeout=240)
-        except BaseException as error:  # a failed launch fails every test that reads it, without relaunching
-            _launched[world] = error
-    outcome = _launched[world]
-    if isinstance(outcome, BaseException):
-        raise outcome
-    return outcome
+    """Every record of one world size, from one launch per test session (the first caller waits)."""
+    return launch_once(_run_all, world, _LAYOUTS[world], timeout=240)
 
 
 def _assert_matches(runs: list[dict], reference: dict, *, rel: float = FP32_REL) -> None:
@@ -302,6 +263,17 @@ def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
     _assert_matches(runs, launch(1)[0]["mlp_tp1_dp1"])
     expected = [f"blocks.{i}.{name}" for i in range(2) for name in ("fc.bias", "fc.weight", "proj.weight")]
     assert runs[0]["sharded"] == expected
+
+
+@pytest.mark.timeout(300)
+def test_gradient_accumulation_over_two_batches_at_tp2_matches_one_process():
+    reference = launch(1)[0]["mlp_accumulated_tp1_dp1"]
+    assert len(reference["losses"]) == 2 * len(reference["grads"]) == 2 * STEPS  # two batches per optimizer step
+    runs = [rank["mlp_accumulated_tp2_dp1"] for rank in launch(2)]
+    for run in runs:
+        assert run["losses"] == pytest.approx(reference["losses"], rel=FP32_REL)
+    for step, (grads, expected) in enumerate(zip(runs[0]["grads"], reference["grads"], strict=True)):
+        assert_tensors_close(grads, expected, rtol=1e-4, atol=1e-6, label=f"step {step}")
 
 
 @pytest.mark.timeout(300)

@@ -25,7 +25,7 @@ from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline.stage import StandIn
 from lightning_smp.tensor_parallel import parallelize, plan_tensor_parallel, shard_of
 from lightning_smp.tensor_parallel.plan import match_pattern
-from tests.distributed import init_gloo, run_distributed
+from tests.distributed import init_gloo, launch_once
 from tests.models import quiet_trainer
 
 transformers = pytest.importorskip("transformers")
@@ -185,13 +185,8 @@ def _run_all(rank: int, world: int) -> dict:
     return results | {name: _fit(rank, *args) for name, *args in ((name, *run) for name, run in _RUNS[world].items())}
 
 
-_launched: dict[int, list[dict]] = {}
-
-
 def launch(world: int) -> list[dict]:
-    if world not in _launched:
-        _launched[world] = run_distributed(_run_all, world, world, timeout=500)
-    return _launched[world]
+    return launch_once(_run_all, world, world, timeout=500)
 
 
 def _check_tp2(name: str) -> list[dict]:
@@ -306,7 +301,7 @@ def test_bert_encoder_layers_split_by_the_built_in_plan():
     ]
 
 
-def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the_concepts():
+def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the_tensor_parallelism_page():
     from pathlib import Path
 
     from lightning_smp.config import TENSOR_PARALLEL_STYLES
@@ -315,10 +310,10 @@ def test_every_plan_style_is_in_the_configuration_reference_and_explained_in_the
     reference = next(
         line for line in (docs / "configuration.md").read_text().splitlines() if "tensor_parallel_plan" in line
     )
-    concepts = (docs / "concepts.md").read_text()
+    concepts = (docs / "tensor-parallelism.md").read_text()
     for style in TENSOR_PARALLEL_STYLES:
         assert style in reference, style
-        assert f"`{style}`" in concepts.partition("### Plan styles")[2].partition("###")[0], style
+        assert f"`{style}`" in concepts.partition("## Plan styles")[2].partition("\n## ")[0], style
 
 
 def test_set_tensor_parallelism_marks_a_model_built_outside_the_context():

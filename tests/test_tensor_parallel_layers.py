@@ -2,8 +2,8 @@
 grads, on gloo groups of 2 and 4 ranks, plus the dropout streams.
 
 Each case builds the whole module once (seeded, the same on every rank), deep-copies it, splits the copy with
-`parallelize` and runs both on the same inputs. The checks run inside the launches of `tests.test_tensor_parallel`
-(one launch per world size serves every multi-process test); the tests here assert on what they returned.
+`parallelize` and runs both on the same inputs. One launch per world size runs every check (`_run_checks`); the
+tests here assert on what it returned.
 """
 
 import copy
@@ -33,7 +33,7 @@ from lightning_smp.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from lightning_smp.tensor_parallel.creation import scope
-from tests.test_tensor_parallel import launch
+from tests.distributed import init_gloo, launch_once
 
 D, HEADS, FF, B, T, VOCAB = 16, 4, 32, 2, 8, 64
 
@@ -317,6 +317,18 @@ def check_checkpointed_dropout() -> dict:
             layer(x).square().sum().backward()
         grads.append([x.grad, *(p.grad for p in layer.parameters())])
     return {"equal": all(torch.equal(a, b) for a, b in zip(*grads, strict=True)), "count": len(grads[0])}
+
+
+def _run_checks(rank: int) -> dict:
+    init_gloo()
+    results = {"layers": check_layers()}
+    if dist.get_world_size() == 2:
+        results.update(dropout=check_dropout(), checkpointed_dropout=check_checkpointed_dropout())
+    return results
+
+
+def launch(world: int) -> list[dict]:
+    return launch_once(_run_checks, world, timeout=240)
 
 
 @pytest.mark.timeout(300)

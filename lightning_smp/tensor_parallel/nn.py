@@ -99,7 +99,7 @@ class DistributedModule(_NotReproduced):
 
     instead = (
         "modules are split by plan: name a custom module's layers in SMPStrategy(tensor_parallel_plan=...) "
-        "(docs/concepts.md, Plan styles) instead of registering a distributed version of it"
+        "(docs/tensor-parallelism.md, Plan styles) instead of registering a distributed version of it"
     )
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
