@@ -1,6 +1,8 @@
 """AWS's own smp_options, as its example notebooks fill them for a 2-GPU run, train through both SageMaker entry
 points: ``SMPStrategy.from_smp_options(smp_options)`` and the ``SM_HP_MP_PARAMETERS`` variable a SageMaker job sets
-from them (with a bare ``SMPStrategy()``). Both must build the same config and train the same numbers.
+from them (with a bare ``SMPStrategy()``). Both must build the same config and train the same numbers; the GPT-2 one
+(tensor parallelism 2, ``prescaled_batch`` False, fp16 at smp's default loss scale) the numbers of one device trained
+on the union of the two ranks' batches.
 
 Sources (aws/amazon-sagemaker-examples, training/distributed_training/pytorch/model_parallel/gpt2):
 ``smp-train-gpt-simple.ipynb`` (tensor parallelism, its ``gpt2-small`` settings on 2 GPUs instead of 8) and
@@ -20,8 +22,9 @@ from lightning_smp import SMPConfig, SMPStrategy, smp
 from tests.distributed import run_distributed
 from tests.gpt import TinyGPT, token_batches
 from tests.models import quiet_trainer
+from tests.parity import FP16_REL, assert_same_overflow, single_device_run
 
-STEPS = 4
+STEPS = 24  # smp's first loss scale, 2**32, overflows for 17 of them: 7 updates
 
 GPT2_NOTEBOOK = {
     "enabled": True,
@@ -101,6 +104,12 @@ class _NotebookGPT(TinyGPT):
         return DataLoader(dataset, batch_size=4, sampler=sampler)
 
 
+def _build() -> _NotebookGPT:
+    model = _NotebookGPT()
+    model.configure_model()
+    return model
+
+
 def _train(strategy: SMPStrategy) -> dict:
     torch.manual_seed(0)
     model = _NotebookGPT()
@@ -108,7 +117,11 @@ def _train(strategy: SMPStrategy) -> dict:
     losses: list[float] = []
     model.on_train_batch_end = lambda outputs, batch, batch_idx: losses.append(outputs["loss"].item())
     trainer.fit(model)
-    return {"losses": losses, "config": strategy.config, "global_step": trainer.global_step}
+    optimizer = trainer.strategy.optimizers[0]
+    overflow = (
+        {"skipped": optimizer.skipped_steps.item(), "scale": optimizer.loss_scale} if strategy.config.fp16 else {}
+    )
+    return {"losses": losses, "config": strategy.config, "global_step": trainer.global_step, **overflow}
 
 
 def _both_entry_points(rank: int, smp_options: dict) -> dict:
@@ -137,6 +150,14 @@ def test_the_gpt2_notebooks_smp_options_train_through_both_entry_points():
     ranks = run_distributed(_both_entry_points, 2, GPT2_NOTEBOOK, timeout=500)
     _check_trains_through_both(ranks, GPT2_NOTEBOOK)
     assert ranks[0]["pasted"]["config"].shard_optimizer_state and ranks[0]["pasted"]["config"].fp16
+    # each rank read its own batch (the notebook's sampler over smp.dp_size() = 2): one device on both batches
+    reference = single_device_run(
+        _build, lambda model, batch, step: model.loss(batch), steps=STEPS, replicas=2, fp16=True, init_scale=2.0**32
+    )
+    assert 0 < reference["skipped"] < STEPS  # overflows and updates both compared
+    for rank in ranks:
+        assert_same_overflow(rank["pasted"], reference)
+        assert rank["pasted"]["losses"] == pytest.approx(reference["losses"], rel=FP16_REL)
 
 
 @pytest.mark.timeout(600)
