@@ -10,7 +10,7 @@ import logging
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_smp import smp
-from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict
+from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict, export_hf
 from lightning_smp.config import SMPConfig
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lightning_smp.memory import estimate_memory, fitting_layouts
@@ -30,6 +30,7 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidated_state_dict",
     "estimate_memory",
+    "export_hf",
     "fitting_layouts",
     "smp",
 ]

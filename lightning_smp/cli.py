@@ -14,6 +14,11 @@ processes) and prints what each rank of the configured layout would hold (`light
 ``--devices`` the layouts that fit a device:
 
     lightning-smp estimate --config examples/configs/pp_tp_dp.yaml --device-memory 40GiB --devices 8
+
+Another, ``export-hf``, writes a trained model out of a sharded checkpoint (`lightning_smp.export_hf`): a Hugging
+Face directory that ``from_pretrained`` loads, or plain safetensors for a LightningModule that wraps no such model:
+
+    lightning-smp export-hf checkpoints/last.ckpt exported/ --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -38,13 +43,14 @@ import lightning_smp  # (registers the strategy names)
 from lightning_smp import memory, smp
 from lightning_smp.config import SMPConfig
 
-__all__ = ["estimate", "main", "make_cli"]
+__all__ = ["estimate", "export_hf", "main", "make_cli"]
 
 _DESCRIPTION = (
     "Train any LightningModule with SageMaker-model-parallel-style strategies: Lightning's CLI with lightning_smp "
     "imported (strategy names smp, smp_fp16, smp_bf16, ... and class_path: lightning_smp.SMPStrategy) and "
     "trainer.strategy defaulting to 'smp'. `lightning-smp estimate --config job.yaml` prints the memory each rank "
-    "would hold (see `lightning-smp estimate --help`)."
+    "would hold (see `lightning-smp estimate --help`); `lightning-smp export-hf CHECKPOINT OUT_DIR` writes the "
+    "trained model as a Hugging Face directory (see `lightning-smp export-hf --help`)."
 )
 
 
@@ -54,7 +60,34 @@ def main(args: ArgsType = None) -> None:
     if isinstance(argv, list) and argv[:1] == ["estimate"]:
         estimate(argv[1:])
         return
+    if isinstance(argv, list) and argv[:1] == ["export-hf"]:
+        export_hf(argv[1:])
+        return
     make_cli(args)
+
+
+def export_hf(args: Sequence[str]) -> None:
+    """``lightning-smp export-hf``: a Hugging Face directory (or plain safetensors) from a sharded checkpoint."""
+    parser = argparse.ArgumentParser(
+        prog=f"{_prog()} export-hf",
+        description="Write the model in a sharded lightning_smp checkpoint (any layout) as a Hugging Face "
+        "directory: safetensors files under the wrapped transformers model's own names, their index, config.json "
+        "and generation_config.json, so that from_pretrained(OUT_DIR) loads it; a LightningModule that wraps no "
+        "transformers model gets its state dict as safetensors. One tensor is in memory at a time; no process "
+        "group is needed.",
+    )
+    parser.add_argument("checkpoint", help="the checkpoint directory, e.g. checkpoints/last.ckpt")
+    parser.add_argument("out_dir", help="the directory to write (new, or empty)")
+    parser.add_argument("--dtype", help="float32, bfloat16 or float16 (default: as saved, fp32)")
+    parser.add_argument("--max-shard-size", default="5GB", help="the most bytes per file (default: 5GB)")
+    options = parser.parse_args(list(args))
+    try:
+        out_dir = lightning_smp.export_hf(
+            options.checkpoint, options.out_dir, dtype=options.dtype, max_shard_size=options.max_shard_size
+        )
+    except ValueError as error:  # CheckpointError included
+        parser.exit(1, f"{parser.prog}: error: {error}\n")
+    print(f"Exported {options.checkpoint} to {out_dir}")
 
 
 def estimate(args: Sequence[str]) -> None:

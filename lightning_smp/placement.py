@@ -10,11 +10,21 @@ keeps flat fp32 buffers over them; DTensor parameters would change every layer's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Generator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["Placement", "TPShard", "mark_norm_duplicate", "place_tp_shard", "placement_of", "set_placement"]
+__all__ = [
+    "Placement",
+    "TPShard",
+    "mark_norm_duplicate",
+    "place_tp_shard",
+    "placement_of",
+    "placements_kept",
+    "set_placement",
+]
 
 _ATTRIBUTE = "_smp_placement"  # where a tensor carries its placement; read and written only in this module
 
@@ -56,6 +66,17 @@ def placement_of(tensor: Tensor) -> Placement:
 
 def set_placement(tensor: Tensor, placement: Placement) -> None:
     setattr(tensor, _ATTRIBUTE, placement)
+
+
+@contextmanager
+def placements_kept(model: nn.Module) -> Generator[None, None, None]:
+    """Give each of ``model``'s parameters, by name, the placement it had before the body ran. FSDP2's
+    ``fully_shard`` makes new parameter objects, and ``Module.to``/``cpu`` on a DTensor parameter swaps its
+    ``__dict__`` with the moved copy's (``torch.utils.swap_tensors``): either drops the placement."""
+    placements = {name: placement_of(param) for name, param in model.named_parameters()}
+    yield
+    for name, param in model.named_parameters():
+        set_placement(param, placements[name])
 
 
 def place_tp_shard(piece: Tensor, shard: TPShard) -> None:

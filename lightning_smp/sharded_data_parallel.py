@@ -27,7 +27,7 @@ from typing_extensions import override
 from lightning_smp.loss_scaler import LossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
 from lightning_smp.pipeline.partition import find_trunk
-from lightning_smp.placement import placement_of, set_placement
+from lightning_smp.placement import placement_of, placements_kept
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -47,14 +47,12 @@ def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
     """
     if isinstance(model, FSDPModule):
         return  # sharded by an earlier fit/validate of the same model
-    placements = {name: placement_of(param) for name, param in model.named_parameters()}
     _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
     meshes = {True: topology.sharding_mesh(), False: topology.sharding_mesh(sharded=False)}
-    for module, is_sharded in plan_units(model, config):
-        fully_shard(module, mesh=meshes[is_sharded], mp_policy=policy)
-    for name, param in model.named_parameters():  # fully_shard made new parameter objects
-        set_placement(param, placements[name])
+    with placements_kept(model):  # fully_shard makes new parameter objects
+        for module, is_sharded in plan_units(model, config):
+            fully_shard(module, mesh=meshes[is_sharded], mp_policy=policy)
 
 
 def plan_units(model: nn.Module, config: SMPConfig) -> list[tuple[nn.Module, bool]]:

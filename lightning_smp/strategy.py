@@ -54,6 +54,7 @@ from lightning_smp.materialization import has_meta_tensors, materialize_kept
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine, build_engine
 from lightning_smp.pipeline.partition import find_trunk
+from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.topology import Topology
 
@@ -604,7 +605,9 @@ class SMPStrategy(DDPStrategy):
     @override
     def teardown(self) -> None:
         smp_facade.end_run()
-        super().teardown()
+        module = self.lightning_module if self.lightning_module is not None else torch.nn.Module()
+        with placements_kept(module):  # Lightning moves the model to the CPU: DTensor parameters lose attributes
+            super().teardown()
 
     def forget_process_groups(self) -> None:
         """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,

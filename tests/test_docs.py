@@ -236,8 +236,8 @@ _FIXES = {
     "full disk, a copy that stopped): resume from an earlier checkpoint.",
     "Cannot load the checkpoint": "The lines below the first say what does not match (a parameter missing or "
     "unexpected, a shape): load it into the model it was saved from.",
-    "Cannot consolidate the checkpoint": "Each line below the first names a file or entry that is missing or "
-    "damaged; consolidate a complete checkpoint (one whose save finished on every rank).",
+    "Cannot … the checkpoint": "Each line below the first names a file or entry that is missing or damaged; "
+    "consolidate or export a complete checkpoint (one whose save finished on every rank).",
     "Saving the checkpoint": "The reason follows the colon (often a full disk or a missing directory); nothing was "
     "published, and the previous checkpoint is intact.",
     "is not a JSON object": "SageMaker sets `SM_HP_MP_PARAMETERS` from the estimator's `smp_options`; set it to a "
@@ -337,6 +337,7 @@ _GROUP_OF_PATH = {
     "activation_offloading.py": "Model creation and memory",
     "delayed_init.py": "Model creation and memory",
     "materialization.py": "Model creation and memory",
+    "progress.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
     "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",

@@ -12,15 +12,19 @@ the file, the rank and the parameter.
 
 One module per concern: `names` (global names, masters, optimizer state by name), `storage` (staging, atomic
 publish, fsync, removal), `verification` (the meta record, CRC-32s, `CheckpointError`), `dcp_adapter` (shards as
-chunks, the planners), `saving` and `loading` (the order of a save and of a load), `consolidation`, `tags`
-(smp's tagged checkpoints) and `rng` (the random generators).
+chunks, the planners, the writer that reports progress), `saving` and `loading` (the order of a save and of a
+load), `consolidation` and `export` (one file, or a Hugging Face directory, in one process), `whole_tensors`
+(reading a tensor whole from every rank's chunks), `torch_file` and `safetensors_file` (writing those formats one
+tensor at a time), `hugging_face` (the wrapped transformers model a save records), `tags` (smp's tagged
+checkpoints) and `rng` (the random generators).
 
 A checkpoint is a directory (Lightning's sharded-checkpoint convention: ``meta.pt`` marks it)::
 
     epoch=1-step=8.ckpt/
       meta.pt               torch.save, rank 0: Lightning's loops, callbacks, LR schedulers, hyper-parameters,
                             optimizer hyper-parameters and loss scaler, and the "lightning_smp" record (format,
-                            package version, layout, precision, smp config, size and CRC-32 of every shard file)
+                            package version, layout, precision, smp config, size and CRC-32 of every shard file,
+                            the class and configs of each Hugging Face model the module wraps)
       .metadata             DCP: every entry's global shape, dtype and where each of its chunks lies
       __<rank>_<n>.distcp   DCP: the entries rank <rank> wrote
 
@@ -31,6 +35,7 @@ like the parameter; a sharded optimizer's replicas gather it whole, so it loads 
 """
 
 from lightning_smp.checkpoint.consolidation import consolidate_checkpoint, consolidated_state_dict
+from lightning_smp.checkpoint.export import export_hf
 from lightning_smp.checkpoint.loading import load
 from lightning_smp.checkpoint.names import model_state_dict, optimizer_state_dict
 from lightning_smp.checkpoint.saving import save
@@ -52,6 +57,7 @@ __all__ = [
     "consolidate_checkpoint",
     "consolidated_state_dict",
     "describe_run",
+    "export_hf",
     "is_sharded_checkpoint",
     "load",
     "model_state_dict",

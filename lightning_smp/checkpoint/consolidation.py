@@ -1,9 +1,10 @@
 """Consolidation: a sharded checkpoint becomes one plain file that loads into the un-parallelized model.
 
-Owns reading every ``model/`` entry whole, in one process and without a process group, writing the Lightning
-checkpoint file, and reading its ``state_dict`` back for a model wrapped in the LightningModule. Not owned: the
-command line (`lightning_smp/consolidate_checkpoint.py`). DCP assembles each global tensor from whichever ranks'
-chunks hold it, so consolidating is a load into whole-tensor targets.
+Owns what the consolidated file holds (every ``model/`` entry whole, in fp32, under its global name, beside
+Lightning's own entries), writing it in one process without a process group, and reading its ``state_dict`` back
+for a model wrapped in the LightningModule. Not owned: the command line (`lightning_smp/consolidate_checkpoint.py`),
+reading tensors whole (`whole_tensors.py`), the file format (`torch_file.py`: a ``torch.save`` file written one
+tensor at a time). The peak memory is about the largest tensor, however big the model.
 """
 
 from __future__ import annotations
@@ -17,20 +18,14 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from lightning_smp.checkpoint.dcp_adapter import LoadPlanner
 from lightning_smp.checkpoint.names import MODEL
-from lightning_smp.checkpoint.storage import fsync_dir, remove_path, staging_path, write_file
-from lightning_smp.checkpoint.verification import (
-    RECORD,
-    CheckpointError,
-    file_problems,
-    is_sharded_checkpoint,
-    read_dcp_metadata,
-    read_meta,
-    resolve,
-)
+from lightning_smp.checkpoint.storage import fsync_dir, remove_path, staging_path
+from lightning_smp.checkpoint.torch_file import write_torch_file
+from lightning_smp.checkpoint.verification import RECORD, CheckpointError, is_sharded_checkpoint, read_checked
+from lightning_smp.checkpoint.whole_tensors import WholeTensors
+from lightning_smp.progress import Progress
 
 __all__ = ["consolidate_checkpoint", "consolidated_state_dict"]
 
@@ -41,42 +36,55 @@ def consolidate_checkpoint(src: str | os.PathLike, dst: str | os.PathLike | None
     Its ``state_dict`` holds the whole model under global names in fp32 (the master weights of an fp16/bf16 run;
     tied weights under each of their names), so ``load_state_dict(strict=True)`` takes it into the
     un-parallelized LightningModule; the loop, callback and hyper-parameter entries are kept as Lightning wrote
-    them. No process group is needed. Load it for inference with ``MyModule.load_from_checkpoint(dst)`` (Lightning
+    them. No process group is needed, and the file is written one tensor at a time: the memory it takes is about
+    that of the largest tensor. Load it for inference with ``MyModule.load_from_checkpoint(dst)`` (Lightning
     calls ``configure_model`` first), or take a wrapped model's weights with `consolidated_state_dict`.
     """
-    src = resolve(src)
+    src, meta, record, metadata = read_checked(src, "consolidate")
     dst = Path(dst) if dst is not None else src.with_name(src.name + ".consolidated")
-    meta = read_meta(src, weights_only=False)
-    record = meta.pop(RECORD)
-    metadata = read_dcp_metadata(src)
-    problems = file_problems(src, record, metadata, share=(0, 1))
-    if problems:
-        listed = "\n".join(f"  - {problem}" for problem in problems)
-        raise CheckpointError(f"Cannot consolidate the checkpoint {str(src)!r}:\n{listed}")
-    targets: dict[str, Any] = {}
-    for entry, info in metadata.state_dict_metadata.items():
-        if entry.startswith(MODEL):
-            is_tensor = isinstance(info, TensorStorageMetadata)
-            targets[entry] = torch.empty(info.size, dtype=info.properties.dtype) if is_tensor else None
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(targets, storage_reader=FileSystemReader(src), planner=LoadPlanner(), no_dist=True)
-    state_dict = {}
-    for entry, value in targets.items():
-        if isinstance(value, Tensor) and value.is_floating_point():
-            value = value.float()
-        state_dict[entry[len(MODEL) :]] = value
-    meta.pop("optimizer_states", None)  # ours are keyed by name, not Lightning's single-device format
-    consolidated = {**meta, "state_dict": state_dict, RECORD: {**record, "consolidated_from": str(src)}}
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    temporary = staging_path(dst)
-    try:
-        write_file(temporary, consolidated)
-        os.replace(temporary, dst)
-    finally:
-        remove_path(temporary)
+    entries = [entry for entry in metadata.state_dict_metadata if entry.startswith(MODEL)]
+    with WholeTensors(src, metadata) as tensors:
+        objects = _load_objects(src, [entry for entry in entries if tensors.info(entry) is None])
+        state_dict: dict[str, Any] = {}
+        source: dict[int, str] = {}  # id(stand-in) → its entry
+        for entry in entries:
+            info = tensors.info(entry)
+            if info is None:
+                state_dict[entry[len(MODEL) :]] = objects[entry]
+                continue
+            dtype = torch.float32 if info.properties.dtype.is_floating_point else info.properties.dtype
+            state_dict[entry[len(MODEL) :]] = stand_in = torch.empty(info.size, dtype=dtype, device="meta")
+            source[id(stand_in)] = entry
+        meta.pop("optimizer_states", None)  # ours are keyed by name, not Lightning's single-device format
+        consolidated = {**meta, "state_dict": state_dict, RECORD: {**record, "consolidated_from": str(src)}}
+        total = sum(_nbytes(value) for value in state_dict.values() if isinstance(value, Tensor) and value.is_meta)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        temporary = staging_path(dst)
+        try:
+            with Progress(f"consolidating {src.name} into {dst.name}", total) as progress:
+                fill = lambda stand_in: tensors.read(source[id(stand_in)], stand_in.dtype)  # noqa: E731
+                write_torch_file(temporary, consolidated, fill, progress.advance)
+            os.replace(temporary, dst)
+        finally:
+            remove_path(temporary)
     fsync_dir(dst.parent)
     return dst
+
+
+def _load_objects(path: Path, entries: list[str]) -> dict[str, Any]:
+    """The checkpoint's entries that are not tensors (a module's ``get_extra_state``), by entry."""
+    if not entries:
+        return {}
+    targets: dict[str, Any] = dict.fromkeys(entries)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        planner = LoadPlanner(allow_partial_load=True)
+        dcp.load(targets, storage_reader=FileSystemReader(path), planner=planner, no_dist=True)
+    return targets
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def consolidated_state_dict(path: str | os.PathLike, submodule: str | None = None) -> dict[str, Any]:

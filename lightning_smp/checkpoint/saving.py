@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_smp.checkpoint.dcp_adapter import SavePlanner, stored, stored_like_param
+from lightning_smp.checkpoint.dcp_adapter import ReportingWriter, SavePlanner, stored, stored_like_param
+from lightning_smp.checkpoint.hugging_face import RECORD_KEY, describe_models
 from lightning_smp.checkpoint.names import MODEL, OPTIM, RNG, params_by_name, shards_by_name
 from lightning_smp.checkpoint.rng import rng_states
 from lightning_smp.checkpoint.storage import (
@@ -74,13 +74,15 @@ def save(
     try:
         with signals_deferred():
             with reraised_as_checkpoint_error(f"Saving the checkpoint {str(path)!r} failed; nothing was published"):
-                dcp.save(entries, storage_writer=FileSystemWriter(staging, sync_files=True), planner=SavePlanner())
+                writer = ReportingWriter(staging, what=f"saving {path.name} (rank {rank}'s files)")
+                dcp.save(entries, storage_writer=writer, planner=SavePlanner())
             files = all_gather_object(describe_own_files(staging, rank))
             error = None
             if rank == 0:
                 try:
                     record = {**run, "format": FORMAT_VERSION, "version": package_version()}
                     record["torch"] = str(torch.__version__)
+                    record[RECORD_KEY] = describe_models(module)  # what export_hf writes config.json from
                     record["files"] = {name: info for part in files for name, info in part.items()}
                     write_file(staging / META_FILENAME, {**rest, RECORD: record})
                     publish(staging, path)

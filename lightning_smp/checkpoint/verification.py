@@ -37,6 +37,7 @@ __all__ = [
     "is_sharded_checkpoint",
     "package_version",
     "raise_if_any",
+    "read_checked",
     "read_dcp_metadata",
     "read_meta",
     "reraised_as_checkpoint_error",
@@ -137,6 +138,25 @@ def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
             f"lightning_smp {package_version()} reads format {FORMAT_VERSION} and older. Upgrade lightning_smp."
         )
     return meta
+
+
+def read_checked(path: str | os.PathLike, action: str) -> tuple[Path, dict[str, Any], dict[str, Any], Metadata]:
+    """For one process reading a checkpoint whole: its directory, meta dict (without the record), record and DCP
+    index, after checking every shard file; a `CheckpointError` listing the problems saying it cannot ``action``."""
+    path = resolve(path)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"Cannot {action} {str(path)!r}: it is a file, not a sharded lightning_smp checkpoint (the directory "
+            "that `trainer.save_checkpoint` and `ModelCheckpoint` write under SMPStrategy). Pass that directory."
+        )
+    meta = read_meta(path, weights_only=False)
+    record = meta.pop(RECORD)
+    metadata = read_dcp_metadata(path)
+    problems = file_problems(path, record, metadata, share=(0, 1))
+    if problems:
+        listed = "\n".join(f"  - {problem}" for problem in problems)
+        raise CheckpointError(f"Cannot {action} the checkpoint {str(path)!r}:\n{listed}")
+    return path, meta, record, metadata
 
 
 def read_dcp_metadata(path: Path) -> Metadata:
