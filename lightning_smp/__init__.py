@@ -17,6 +17,7 @@ from lightning_smp.memory import estimate_memory, fitting_layouts
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.strategy import SMPStrategy, register_strategies
+from lightning_smp.weights import load_weights
 
 __version__ = "0.1.0"
 
@@ -32,6 +33,7 @@ __all__ = [
     "estimate_memory",
     "export_hf",
     "fitting_layouts",
+    "load_weights",
     "smp",
 ]
 

@@ -3,10 +3,10 @@
 Owns the arithmetic only: bytes per element of parameters, gradients, fp32 masters and optimizer state, the
 activation estimate of Korthikanti et al. 2022 (Table 2), whether the largest rank fits a device, and the search
 over layouts for a device count. What a rank holds is not re-derived here: the package's own pure plans run on the
-model (best built on the meta device) — ``plan_tensor_parallel`` says which parameters each tensor-parallel rank
-keeps 1/tp of, ``find_trunk`` / ``describe_children`` / ``plan_partition`` which trunk children each stage keeps,
-``plan_outside`` which stages keep the modules outside the trunk, the pipeline schedule how many microbatches a
-stage holds at once — so the estimate follows the code that trains.
+model (best built on the meta device) — `lightning_smp.build.plan`, the one the strategy applies, says which
+parameters each tensor-parallel rank keeps 1/tp of, which trunk children each stage keeps, which stages keep the
+modules outside the trunk and which modules sharded data parallelism shards; the pipeline schedule how many
+microbatches a stage holds at once — so the estimate follows the code that trains.
 """
 
 from __future__ import annotations
@@ -21,18 +21,10 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from lightning_smp import build
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
-from lightning_smp.pipeline.partition import (
-    OutsidePlan,
-    PartitionPlan,
-    describe_children,
-    find_trunk,
-    plan_configured_partition,
-    plan_outside,
-)
-from lightning_smp.sharded_data_parallel import plan_units
-from lightning_smp.tensor_parallel.plan import plan_tensor_parallel
+from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan
 from lightning_smp.topology import rank_groups
 
 __all__ = [
@@ -352,8 +344,9 @@ def _report(
     sequence_length: int | None,
 ) -> MemoryReport:
     params = _named_parameters(model)
-    sharded = _tensor_parallel_shards(model, layout.tp, config, params)
-    placement = _Placement.of(model, layout.pp, config)
+    built = build.plan(model, config=config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp)
+    sharded = set(built.split_ids)
+    placement = _Placement(layout.pp, built.partition, built.outside)
 
     fp32_owners = {id(p) for m in model.modules() if isinstance(m, _BatchNorm) for p in m.parameters()}
     half = config.half_dtype
@@ -363,7 +356,7 @@ def _report(
     ranks = []
     for stage in range(layout.pp):
         if layout.sdp > 1:  # pp = 1, as the config requires
-            count, step_buffer = _sharded_data_parallel(model, params, sharded, layout, config)
+            count, step_buffer = _sharded_data_parallel(built.shard_units, params, sharded, layout, config)
         else:
             count, step_buffer = _stage_states(stage, params, sharded, held, fp32_owners, layout, half)
         ranks.append(
@@ -417,16 +410,15 @@ def _stage_states(
 
 
 def _sharded_data_parallel(
-    model: nn.Module,
+    plan: Sequence[tuple[nn.Module, bool]],
     params: dict[int, tuple[nn.Parameter, list[str]]],
     tensor_parallel: set[int],
     layout: Layout,
     config: SMPConfig,
 ) -> tuple[dict[str, int], int]:
-    """A rank's model states under ``sharded_data_parallel_degree`` (the units of `plan_units`, as ``shard`` wraps
-    them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
+    """A rank's model states under ``sharded_data_parallel_degree`` (the units of the build's ``plan``, as ``shard``
+    wraps them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
     parameter, whole ones for the modules kept whole; and the step buffer of the largest unit gathered."""
-    plan = plan_units(model, config)
     whole = {id(p) for module, is_sharded in plan if not is_sharded for p in module.parameters(recurse=False)}
     unit_of: dict[int, int] = {}
     for index, (module, is_sharded) in enumerate(plan):  # descendants first: a parameter's innermost unit
@@ -480,16 +472,6 @@ def _named_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[st
     return found
 
 
-def _tensor_parallel_shards(
-    model: nn.Module, tp: int, config: SMPConfig, params: dict[int, tuple[nn.Parameter, list[str]]]
-) -> set[int]:
-    """Ids of the parameters each tensor-parallel rank holds 1/tp of (what ``parallelize`` would split)."""
-    plan = plan_tensor_parallel(model, tp_size=tp, patterns=config.tensor_parallel_plan)
-    if tp == 1:
-        return set()
-    return {key for key, (_, names) in params.items() if any(name in plan.sharded_specs for name in names)}
-
-
 @dataclass(frozen=True)
 class _Placement:
     """Which pipeline stages hold a parameter or module: the partition plan and the plan of what lies outside the
@@ -498,16 +480,6 @@ class _Placement:
     stages: int
     plan: PartitionPlan | None = None
     outside: OutsidePlan | None = None
-
-    @classmethod
-    def of(cls, model: nn.Module, stages: int, config: SMPConfig) -> _Placement:
-        if stages == 1:
-            return cls(1)
-        trunk_name, trunk = find_trunk(model, config.pipeline_module)
-        plan = plan_configured_partition(
-            trunk_name, trunk, describe_children(trunk, trunk_name), stages=stages, config=config
-        )
-        return cls(stages, plan, plan_outside(model, plan))
 
     def stages_of(self, names: Sequence[str]) -> set[int]:
         """The stages holding what is registered under ``names`` (parameter or module names): a trunk child's

@@ -26,7 +26,6 @@ from typing_extensions import override
 
 from lightning_smp.loss_scaler import LossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
-from lightning_smp.pipeline.partition import find_trunk
 from lightning_smp.placement import placement_of, placements_kept
 
 if TYPE_CHECKING:
@@ -36,30 +35,33 @@ if TYPE_CHECKING:
 __all__ = ["ShardedOptimizer", "plan_units", "shard"]
 
 
-def shard(model: nn.Module, *, topology: Topology, config: SMPConfig) -> None:
-    """``fully_shard`` ``model`` over the topology's sharding mesh, in place: each child of its sequential trunk
-    (the container with the most parameters) is one unit, the rest belongs to the root unit (``model``, whose
-    forward hooks the strategy runs every step through). A module whose own parameters all have fewer than
-    ``sdp_param_persistence_threshold`` elements (and are not shared with another module) is kept whole on every
-    rank. Parameters stay fp32 (the masters); fp16/bf16 runs compute in that dtype, reduce in fp32.
+def shard(model: nn.Module, *, units: Sequence[tuple[nn.Module, bool]], topology: Topology, config: SMPConfig) -> None:
+    """``fully_shard`` ``model``'s ``units`` (`plan_units`) over the topology's sharding mesh, in place (a model on
+    the meta device too: `materialization` then gives each rank its rows). Parameters stay fp32 (the masters);
+    fp16/bf16 runs compute in that dtype, reduce in fp32.
 
-    The data-parallel replicas start from rank 0's values (what DDP does), then keep their own shards.
+    The data-parallel replicas start from rank 0's values (what DDP does; a model on the meta device gets the same
+    values on every rank when materialised), then keep their own shards.
     """
     if isinstance(model, FSDPModule):
         return  # sharded by an earlier fit/validate of the same model
-    _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+    if not any(param.is_meta for param in model.parameters()):
+        _sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
     meshes = {True: topology.sharding_mesh(), False: topology.sharding_mesh(sharded=False)}
     with placements_kept(model):  # fully_shard makes new parameter objects
-        for module, is_sharded in plan_units(model, config):
+        for module, is_sharded in units:
             fully_shard(module, mesh=meshes[is_sharded], mp_policy=policy)
 
 
-def plan_units(model: nn.Module, config: SMPConfig) -> list[tuple[nn.Module, bool]]:
+def plan_units(
+    model: nn.Module, config: SMPConfig, *, trunk: nn.Module | None, numel: Callable[[Tensor], int] = Tensor.numel
+) -> list[tuple[nn.Module, bool]]:
     """The modules `shard` wraps, descendants before their ancestors (as FSDP2 asks), each with whether it is
-    sharded (True: a trunk child or the root, last) or kept whole on every rank (False: its own parameters all
-    below ``sdp_param_persistence_threshold`` and not shared). Pure: the memory planner reads it too."""
-    units = set(_trunk_children(model, config.pipeline_module))
+    sharded (True: a child of ``trunk``, the sequential container `lightning_smp.build` found, or the root, last)
+    or kept whole on every rank (False: its own parameters all below ``sdp_param_persistence_threshold`` elements,
+    as ``numel`` counts what a rank holds, and not shared). Pure: the memory planner reads it too."""
+    units = set(trunk.children()) if trunk is not None else set()
     shared = _shared_parameters(model)
     threshold = config.sdp_param_persistence_threshold
     planned = []
@@ -67,20 +69,11 @@ def plan_units(model: nn.Module, config: SMPConfig) -> list[tuple[nn.Module, boo
         own = list(module.parameters(recurse=False))
         if module is model:
             continue
-        if own and all(p.numel() < threshold and id(p) not in shared for p in own):
+        if own and all(numel(p) < threshold and id(p) not in shared for p in own):
             planned.append((module, False))
         elif module in units and any(True for _ in module.parameters()):
             planned.append((module, True))
     return [*planned, (model, True)]
-
-
-def _trunk_children(model: nn.Module, path: str | None) -> list[nn.Module]:
-    try:
-        return list(find_trunk(model, path)[1].children())
-    except ValueError:
-        if path is not None:
-            raise
-        return []  # no sequential container: the root is the only sharded unit
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

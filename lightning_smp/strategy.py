@@ -1,12 +1,12 @@
 """SMPStrategy: the Lightning strategy that runs an smp-configured job, and its registered names.
 
 It owns the run's lifecycle and hands each concern to its module: constructor arguments become one `SMPConfig`;
-once the process group exists it builds the `Topology`, hands the `smp` facade its run record, splits the model
-over the tensor-parallel ranks (`tensor_parallel`), wraps the modules marked for activation checkpointing
-(`activation_checkpointing`) and keeps this rank's pipeline stage (`pipeline`), whose engine then runs every step
-and settles the stages at the end of each loop; it owns the precision plugin (Lightning would otherwise replace
-it, see reference/lightning-2.6.md), samples data and feeds each step the batch its tensor-parallel group trains
-on as ``prescaled_batch`` says (`tp_batches`), reduces logged values over the replicas,
+once the process group exists it builds the `Topology`, hands the `smp` facade its run record, has the model
+split for this rank (`build`: tensor parallelism, activation checkpointing, the pipeline stage, sharded data
+parallelism, materialisation), whose pipeline engine then runs every step and settles the stages at the end of each
+loop; it owns the precision plugin (Lightning would otherwise replace
+it, see reference/lightning-2.6.md), samples data and feeds each step the batch its tensor-parallel
+group trains on as ``prescaled_batch`` says (`tp_batches`), reduces logged values over the replicas,
 saves and loads sharded checkpoints (`checkpoint`), ends every rank on a failure and frees the process groups at
 exit after a success (`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
 backward-overlapped gradient all-reduce are DDP's; with one replica, under pipeline parallelism (whose engine
@@ -43,19 +43,17 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_smp import activation_checkpointing, fault_tolerance, sharded_data_parallel, tensor_parallel, tp_batches
+from lightning_smp import build, fault_tolerance, tensor_parallel, tp_batches
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
-from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
-from lightning_smp.materialization import has_meta_tensors, materialize_kept
 from lightning_smp.optimizer import MasterWeightOptimizer
-from lightning_smp.pipeline import PipelineEngine, build_engine
-from lightning_smp.pipeline.partition import find_trunk
+from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
+from lightning_smp.tensor_parallel.rng import sync_default_generator
 from lightning_smp.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -267,6 +265,10 @@ class SMPStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
+        if self._topology is not None:
+            # Every rank records the same initial values, so each can materialise its own part of one model (an
+            # eager build is made equal by broadcasts at setup, which a model on the meta device cannot have).
+            sync_default_generator(dist.group.WORLD, self.root_device)
         with deferred_init(), self.precision_plugin.tensor_init_context():
             yield
 
@@ -291,25 +293,10 @@ class SMPStrategy(DDPStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Shard the model over this rank's tensor-parallel group, checkpoint the modules marked for it, and keep
-        this rank's pipeline stage (in this order: see `activation_checkpointing`). A model on the meta device is
-        planned and pruned so, then only what this rank keeps is materialised (plan, then apply); last, under
-        sharded data parallelism, FSDP2 shards what is left over the data-parallel ranks."""
-        config = self._config
-        on_meta = has_meta_tensors(model)
-        model = tensor_parallel.parallelize(model, topology=self.topology, config=config)
-        builds_pipeline = config.pipeline_parallel_degree > 1 and (
-            self._pipeline is None or self._pipeline.module is not model
+        """Split the model for this rank (`lightning_smp.build`: plan, then apply) and keep its pipeline engine."""
+        self._pipeline = build.plan_and_apply(
+            model, topology=self.topology, config=self._config, device=self.root_device, engine=self._pipeline
         )
-        trunk = find_trunk(model, config.pipeline_module)[1] if builds_pipeline else None
-        offloader = ActivationOffloader(config.activation_loading_horizon) if config.offload_activations else None
-        activation_checkpointing.apply(model, pipelined_trunk=trunk, offloader=offloader)
-        if builds_pipeline:
-            self._pipeline = build_engine(model, topology=self.topology, config=config)
-        if on_meta:
-            materialize_kept(model, device=torch.device("cpu"))  # Lightning moves it to the device next
-        if self._sharded:
-            sharded_data_parallel.shard(model, topology=self.topology, config=config)
         return model
 
     @property
@@ -545,6 +532,13 @@ class SMPStrategy(DDPStrategy):
             strict=module.strict_loading,
             weights_only=weights_only,
         )
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        # `load_checkpoint` restores the optimizers itself; a consolidated file holds no optimizer state, and the
+        # optimizers then start fresh rather than Lightning refusing the file.
+        return False
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

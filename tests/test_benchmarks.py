@@ -114,3 +114,12 @@ def test_tp_memory_reports_every_layout() -> None:
     stdout = _run("tp_memory.py")
     for tp in (1, 2, 4):
         assert f"tp={tp}: largest per-rank block state" in stdout
+
+
+def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    _run("load_pretrained.py", "--size", "smoke", "--layouts", "tp2", "--out", str(out))
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["layout"] == "tp2" and len(row["ranks"]) == 2
+    for rank in row["ranks"]:
+        assert _positive(rank["kept"]) and rank["peak"] >= rank["peak_after_loading"] >= rank["rss_before_fit"]

@@ -1,6 +1,7 @@
 """Tier 1 (one process): a model built under ``deferred_init()`` and materialised equals, bit for bit, the eager build
 with the same seed (whole, cut into slices, tied); the generator ends where the eager build leaves it; the peak while
-materialising is what is kept plus one tensor; and what cannot be materialised fails with an error naming the fix."""
+materialising is what is kept plus one tensor; values from a source (a checkpoint file) are read only as cut when
+only copied and cast; and what cannot be materialised fails with an error naming the fix."""
 
 import copy
 import math
@@ -13,7 +14,9 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_smp.delayed_init import deferred_init, is_deferred, materialize, materialize_module
+from lightning_smp.delayed_init import deferred_from, deferred_init, is_deferred, materialize, materialize_module
+from lightning_smp.delayed_init.recording import cpu_as_deferred
+from lightning_smp.placement import Cut, TPShard
 
 _CPU = torch.device("cpu")
 
@@ -502,3 +505,69 @@ def test_a_cut_that_returns_no_tensor_names_the_tensor():
         linear = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="the cut for weight returned list, not a tensor"):
         materialize_module(linear, device=_CPU, cut=lambda name, tensor: lambda value: value.tolist())
+
+
+# -- values from sources (checkpoint files) ------------------------------------------------------------------------
+
+
+class _Source:
+    """A source that records what it is asked to read."""
+
+    def __init__(self, value: Tensor) -> None:
+        self.value, self.shape, self.dtype = value, tuple(value.shape), value.dtype
+        self.reads: list[Cut | None] = []
+
+    def read(self, cut: Cut | None) -> Tensor:
+        self.reads.append(cut)
+        return (self.value if cut is None else cut(self.value)).clone()
+
+
+def test_a_source_copied_and_cast_is_read_only_as_cut():
+    source = _Source(torch.arange(24.0).reshape(6, 4))
+    with deferred_init():
+        linear = nn.Linear(4, 6).half()
+        with torch.no_grad():
+            linear.weight.copy_(deferred_from(source))  # a cast to fp16 on the way
+    cut = Cut.of_shard((6, 4), TPShard(dim=1, index=1, parts=2))
+    [piece] = materialize([(linear.weight, cut)], device=_CPU)
+    assert source.reads == [cut]  # never the whole
+    assert piece.dtype == torch.float16 and torch.equal(piece, cut(source.value).half())
+
+
+def test_a_source_computed_with_is_read_whole_and_replayed():
+    source = _Source(torch.arange(6.0))
+    with deferred_init():
+        doubled = deferred_from(source) * 2
+    cut = Cut((((2, 4),),))
+    [piece] = materialize([(doubled, cut)], device=_CPU)
+    assert source.reads == [None] and torch.equal(piece, torch.tensor([4.0, 6.0]))
+
+
+def test_deferred_from_outside_a_block_names_the_fix():
+    with pytest.raises(RuntimeError, match=r"call it inside a `with deferred_init\(\):` block"):
+        deferred_from(_Source(torch.zeros(2)))
+
+
+def test_a_hand_made_meta_tensor_written_whole_in_a_block_is_known_from_then_on():
+    by_hand = nn.Linear(3, 2, device="meta")
+    source = _Source(torch.ones(2, 3))
+    with deferred_init(), torch.no_grad():
+        by_hand.weight.copy_(deferred_from(source))
+        by_hand.bias.add_(deferred_from(_Source(torch.ones(2))))  # read, not written whole: still unknown
+    assert is_deferred(by_hand.weight)
+    [weight] = materialize([(by_hand.weight, _whole)], device=_CPU)
+    assert torch.equal(weight, torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"is a meta tensor made outside deferred_init\(\)"):
+        materialize([(by_hand.bias, _whole)], device=_CPU)
+
+
+def test_cpu_factories_make_deferred_tensors_inside_cpu_as_deferred():
+    with deferred_init():
+        template = torch.empty(2, 3)
+        with cpu_as_deferred():
+            placed = torch.empty_like(template, device="cpu")
+            zeros = torch.zeros(4, device="cpu")
+        real = torch.zeros(4, device="cpu")
+        placed.fill_(3.0)
+    assert is_deferred(placed) and is_deferred(zeros) and not real.is_meta
+    assert torch.equal(materialize([(placed, _whole)], device=_CPU)[0], torch.full((2, 3), 3.0))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_smp.placement import Placement, TPShard, mark_norm_duplicate, place_tp_shard, placement_of
+from lightning_smp.placement import Cut, Placement, TPShard, mark_norm_duplicate, place_tp_shard, placement_of
 
 
 def test_a_tensor_never_placed_is_whole_and_counts_in_the_norm() -> None:
@@ -42,3 +42,29 @@ def test_a_placement_survives_the_precision_conversion() -> None:
     model.half()  # after `parallelize`, as the strategy converts the model
     assert placement_of(model.weight).tp_shard == TPShard(0, 0, 2)
     assert placement_of(model.bias).norm_duplicate_on == frozenset({"tp"})
+
+
+# -- Cut: which elements of a whole tensor a rank holds ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dim", "blocks"), [(0, 1), (1, 1), (0, 3)])
+def test_a_cut_of_a_shard_is_the_shard_and_its_rows_are_the_shard_s_rows(dim: int, blocks: int) -> None:
+    from lightning_smp.tensor_parallel.shard import ShardSpec, slice_shard
+
+    whole = torch.arange(24 * 6).reshape(24, 6)
+    for index in range(2):
+        cut = Cut.of_shard(whole.shape, TPShard(dim, index, 2, blocks))
+        piece = slice_shard(whole, ShardSpec(dim, blocks), index, 2)
+        assert torch.equal(cut(whole), piece) and cut.shape == tuple(piece.shape)
+        rows = piece.shape[0]
+        for start, stop in ((0, rows // 3), (rows // 3, rows), (rows, rows)):  # sharded data parallelism's rows
+            assert torch.equal(cut.rows(start, stop)(whole), piece[start:stop])
+            assert cut.rows(start, stop).shape == tuple(piece[start:stop].shape)
+
+
+def test_a_whole_cut_is_the_tensor_and_a_packed_one_is_one_box_per_block() -> None:
+    whole = torch.arange(12.0).reshape(6, 2)
+    assert torch.equal(Cut.whole(whole.shape)(whole), whole) and Cut.of_shard((6, 2), None) == Cut.whole((6, 2))
+    packed = Cut.of_shard((6, 2), TPShard(dim=0, index=1, parts=2, blocks=3))
+    assert packed.boxes == (((1, 2), (0, 2)), ((3, 4), (0, 2)), ((5, 6), (0, 2)))
+    assert packed.indices()[0] == (slice(1, 2), slice(0, 2))

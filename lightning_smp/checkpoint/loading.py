@@ -2,8 +2,9 @@
 
 Owns the order of a load (verify, check the checkpoint fits this model, plan where every entry lands, read,
 copy the masters into the half-precision parameters, rebuild torch's optimizer state) and a plain single-file
-checkpoint's load. Not owned: the names (`names.py`), the chunking (`dcp_adapter.py`), the file checks
-(`verification.py`). Every check runs on every rank before anything is read, so a bad checkpoint changes nothing.
+checkpoint's load, each rank reading only its parts of it. Not owned: the names (`names.py`), the chunking
+(`dcp_adapter.py`), the file checks (`verification.py`), which part of a tensor a rank holds (`materialization`).
+Every check runs on every rank before anything is read, so a bad checkpoint changes nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from lightning_smp.checkpoint.dcp_adapter import LoadPlanner, ShardChunks, global_size, state_target, stored
 from lightning_smp.checkpoint.names import (
@@ -45,8 +47,10 @@ from lightning_smp.checkpoint.verification import (
     reraised_as_checkpoint_error,
     resolve,
 )
+from lightning_smp.materialization import cut_of
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import placement_of
+from lightning_smp.progress import Progress
 
 __all__ = ["load", "load_plain"]
 
@@ -135,22 +139,73 @@ def load(
 def load_plain(
     path: str | os.PathLike, *, module: nn.Module, optimizers: Sequence[Any], strict: bool, weights_only: bool | None
 ) -> dict[str, Any]:
-    """Load a single-file Lightning checkpoint (e.g. a consolidated one): model weights into the masters and the
-    parameters, optimizer states (in torch's format) when the file has them."""
-    checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+    """Load a single-file Lightning checkpoint (a consolidated one, or one written by a single-device run) under
+    any layout: each rank takes its part of every ``state_dict`` tensor (its tensor-parallel piece, its stage's
+    tensors, its sharded-data-parallel rows) from the memory-mapped file, into the masters and the parameters.
+    Optimizer states (in torch's format) load when the file has them.
+
+    Collective: every rank calls it; every rank raises the same `CheckpointError` when the file does not fit."""
+    checkpoint = _load_mapped(path, weights_only)
     optimizers = [unwrap(optimizer) for optimizer in optimizers]
-    if "state_dict" in checkpoint:
+    saved = checkpoint.get("state_dict")
+    if saved is not None:
         masters = masters_by_param(optimizers)
-        module.load_state_dict(checkpoint["state_dict"], strict=strict)
         own = module.state_dict(keep_vars=True)
-        with torch.no_grad():
-            for name, value in checkpoint["state_dict"].items():
-                param = own.get(name)
-                if isinstance(param, Tensor) and id(param) in masters:
-                    masters[id(param)].copy_(value)  # fp32 source, not the rounded half parameter
-    for optimizer, state in zip(optimizers, checkpoint.get("optimizer_states") or [], strict=False):
+        problems = _plain_problems(own, saved, strict)
+        raise_if_any(problems, resolve(path))
+        targets: dict[str, Any] = {}
+        total = sum(_local(value).nbytes for name, value in own.items() if name in saved and isinstance(value, Tensor))
+        with torch.no_grad(), Progress("loading the weights", total) as progress:
+            for name, value in own.items():
+                if name not in saved:
+                    continue
+                if not isinstance(value, Tensor):
+                    targets[f"{MODEL}{name}"] = saved[name]  # extra state, handed back to its module
+                    continue
+                target = masters.get(id(value), value).detach()
+                _local(target).copy_(cut_of(value)(saved[name]))
+                targets[f"{MODEL}{name}"] = target
+                progress.advance(_local(value).nbytes)
+        _after_model_load(module, optimizers, masters, targets)
+    saved_optimizers = checkpoint.get("optimizer_states")
+    for optimizer, state in zip(optimizers, saved_optimizers or [], strict=False):
         optimizer.load_state_dict(state)
+    if optimizers and not saved_optimizers:
+        log.info(
+            "lightning_smp: %s holds no optimizer state (a consolidated checkpoint): the optimizers start fresh.", path
+        )
     return checkpoint
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _load_mapped(path: str | os.PathLike, weights_only: bool | None) -> dict[str, Any]:
+    """The file's content, its tensors memory-mapped (a rank's reads touch only the pages of its parts)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=bool(weights_only), mmap=True)
+    except RuntimeError as error:  # written in torch's legacy (non-zip) format, which cannot be mapped
+        if "mmap" not in str(error):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=bool(weights_only))
+
+
+def _plain_problems(own: dict[str, Any], saved: dict[str, Any], strict: bool) -> list[str]:
+    """Shapes that differ; with ``strict``, entries this rank holds that the file lacks and entries of the file no
+    rank holds (collective)."""
+    shapes = [
+        f"{name}: {tuple(saved[name].shape)} in the checkpoint, {placement_of(value).global_shape} in this model"
+        for name, value in own.items()
+        if isinstance(value, Tensor)
+        and isinstance(saved.get(name), Tensor)
+        and tuple(saved[name].shape) != placement_of(value).global_shape
+    ]
+    if not strict:
+        return _fit_problems(shapes=shapes)
+    held = {name for part in all_gather_object(sorted(own)) for name in part}
+    missing = [name for name in own if name not in saved]
+    return _fit_problems(missing=missing, shapes=shapes, unexpected=sorted(n for n in saved if n not in held))
 
 
 def _model_targets(module: nn.Module, masters: dict[int, Tensor]) -> dict[str, Any]:
@@ -176,27 +231,35 @@ def _model_problems(targets: dict[str, Any], metadata: Metadata, strict: bool) -
             shape = tuple(global_size(target))
             if tuple(saved[entry].size) != shape:
                 shapes.append(f"{name}: {tuple(saved[entry].size)} in the checkpoint, {shape} in this model")
-    problems = []
-    if missing and strict:
-        problems.append(
-            f"it comes from a different model: this model has {len(missing)} entries the checkpoint lacks: "
-            f"{_listing(missing)}. HINT: set `strict_loading = False` on the LightningModule to load the rest"
-        )
-    if shapes:
-        problems.append(f"it comes from a different model: {len(shapes)} shapes differ: {_listing(shapes)}")
-    return problems
+    return _fit_problems(missing=missing if strict else [], shapes=shapes)
 
 
 def _unexpected_problems(metadata: Metadata, held: set[str]) -> list[str]:
     unexpected = [
         key[len(MODEL) :] for key in metadata.state_dict_metadata if key.startswith(MODEL) and key not in held
     ]
-    if not unexpected:
-        return []
-    return [
-        f"it comes from a different model: it has {len(unexpected)} entries this model lacks: "
-        f"{_listing(sorted(unexpected))}. HINT: set `strict_loading = False` on the LightningModule to ignore them"
-    ]
+    return _fit_problems(unexpected=sorted(unexpected))
+
+
+def _fit_problems(
+    *, missing: Sequence[str] = (), shapes: Sequence[str] = (), unexpected: Sequence[str] = ()
+) -> list[str]:
+    """The messages for entries this model has and the checkpoint lacks, shapes that differ, and entries the
+    checkpoint has and this model lacks."""
+    problems = []
+    if missing:
+        problems.append(
+            f"it comes from a different model: this model has {len(missing)} entries the checkpoint lacks: "
+            f"{_listing(missing)}. HINT: set `strict_loading = False` on the LightningModule to load the rest"
+        )
+    if shapes:
+        problems.append(f"it comes from a different model: {len(shapes)} shapes differ: {_listing(shapes)}")
+    if unexpected:
+        problems.append(
+            f"it comes from a different model: it has {len(unexpected)} entries this model lacks: "
+            f"{_listing(unexpected)}. HINT: set `strict_loading = False` on the LightningModule to ignore them"
+        )
+    return problems
 
 
 def _listing(items: Sequence[str], limit: int = 8) -> str:

@@ -11,13 +11,13 @@ tied parameters on both), and the table printed at setup. `stage.py` and `runtim
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -263,8 +263,11 @@ def find_trunk(root: nn.Module, path: str | None = None) -> tuple[str, nn.Module
     return name, trunk
 
 
-def describe_children(trunk: nn.Module, trunk_name: str) -> tuple[ChildCost, ...]:
-    """Parameter counts and bytes of each trunk child (shared parameters counted where first seen)."""
+def describe_children(
+    trunk: nn.Module, trunk_name: str, *, numel: Callable[[Tensor], int] = Tensor.numel
+) -> tuple[ChildCost, ...]:
+    """Parameter counts and bytes of each trunk child (shared parameters counted where first seen); ``numel``
+    gives the elements of a parameter that a rank holds (a tensor-parallel rank holds 1/tp of a split one)."""
     seen: set[int] = set()
     costs = []
     for index, child in enumerate(trunk.children()):
@@ -273,8 +276,8 @@ def describe_children(trunk: nn.Module, trunk_name: str) -> tuple[ChildCost, ...
         costs.append(
             ChildCost(
                 name=f"{trunk_name}.{index}" if trunk_name else str(index),
-                params=sum(p.numel() for p in params),
-                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                params=sum(numel(p) for p in params),
+                param_bytes=sum(numel(p) * p.element_size() for p in params),
             )
         )
     return tuple(costs)

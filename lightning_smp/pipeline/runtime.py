@@ -35,17 +35,8 @@ from torchmetrics import Metric
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.microbatch import merge_outputs, reduce_values, split_batch
 from lightning_smp.pipeline.p2p import NOTHING, Transport
-from lightning_smp.pipeline.partition import (
-    OutsidePlan,
-    PartitionPlan,
-    bytes_per_param,
-    describe_children,
-    find_trunk,
-    plan_configured_partition,
-    plan_outside,
-)
+from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan, bytes_per_param
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
-from lightning_smp.pipeline.trace import measure_children
 from lightning_smp.placement import mark_norm_duplicate
 
 if TYPE_CHECKING:
@@ -61,22 +52,19 @@ _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _REDUCE_NAMES = {torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}
 
 
-def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPConfig) -> PipelineEngine:
-    """Plan the partition of ``module``, print it (rank 0), keep this rank's stage in ``module`` (in place:
-    other stages' trunk children become placeholders) and return the engine that runs its steps."""
+def build_engine(
+    module: pl.LightningModule, *, topology: Topology, config: SMPConfig, plan: PartitionPlan, outside: OutsidePlan
+) -> PipelineEngine:
+    """Print the partition ``plan`` (rank 0), keep this rank's stage of it in ``module`` (in place: other stages'
+    trunk children and the modules ``outside`` the trunk that it does not hold become placeholders) and return the
+    engine that runs its steps. The plan is `lightning_smp.build`'s."""
     if not module.automatic_optimization:
         raise ValueError(
             "pipeline_parallel_degree > 1 runs forward and backward of every microbatch inside the step, which "
             "needs automatic optimization; remove `self.automatic_optimization = False` (with one optimizer) or "
             "set pipeline_parallel_degree=1."
         )
-    trunk_name, trunk = find_trunk(module, config.pipeline_module)
-    children = describe_children(trunk, trunk_name)
-    if getattr(module, "example_input_array", None) is not None and not _on_meta(trunk):
-        # On the meta device (delayed initialisation) nothing can run yet: the cost model counts parameters.
-        children = measure_children(module, trunk, children, module.example_input_array)
-    plan = plan_configured_partition(trunk_name, trunk, children, stages=topology.pp, config=config)
-    outside = plan_outside(module, plan)
+    trunk = module.get_submodule(plan.trunk)
     trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
     per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
     if 0 in per_stage:
@@ -100,10 +88,6 @@ def build_engine(module: pl.LightningModule, *, topology: Topology, config: SMPC
         for param in engine.tied_parameters:
             mark_norm_duplicate(param, axis="pp")  # the first stage's copy counts in the global norm
     return engine
-
-
-def _on_meta(module: nn.Module) -> bool:
-    return any(p.is_meta for p in module.parameters())
 
 
 @dataclass

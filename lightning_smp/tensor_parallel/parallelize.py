@@ -39,14 +39,18 @@ _BROADCAST_BUCKET_BYTES = 64 * 2**20
 _DONE_ATTRIBUTE = "_smp_tp_parallelized"
 
 
-def parallelize(model: nn.Module, *, topology: Topology, config: SMPConfig) -> nn.Module:
-    """Split ``model`` in place over ``topology``'s "tp" group per ``config``; returns ``model``.
+def parallelize(
+    model: nn.Module, *, topology: Topology, config: SMPConfig, plan: TensorParallelPlan | None = None
+) -> nn.Module:
+    """Split ``model`` in place over ``topology``'s "tp" group per ``config`` (or per ``plan``, made by
+    `plan_tensor_parallel` for this model and degree); returns ``model``.
 
     Collective over the tensor-parallel group. Running it again (``trainer.validate`` after ``fit``) splits only
     what is new. With tensor_parallel_degree 1 it only checks ``config.tensor_parallel_plan`` against the model.
     """
     tp_size = topology.size("tp")
-    plan = plan_tensor_parallel(model, tp_size=tp_size, patterns=config.tensor_parallel_plan)
+    if plan is None:
+        plan = plan_tensor_parallel(model, tp_size=tp_size, patterns=config.tensor_parallel_plan)
     if tp_size == 1:
         return model
     first_call = _DONE_ATTRIBUTE not in model.__dict__
