@@ -16,7 +16,9 @@ model and optimizer (the local shards, where a tensor is a DTensor):
   when training starts (model creation and setup only), and the RSS it held just before ``Trainer.fit`` (so that
   the growth is what the fit added);
 - what `lightning_smp.estimate_memory` plans for that rank, from the same model built on the meta device;
-- the wall time of its last training step (dp2-sharded's and sdp2's are compared with plain dp2's in the summary).
+- the wall time of its last training step (dp2-sharded's and sdp2's are compared with plain dp2's in the summary);
+- its peak RSS after ``trainer.save_checkpoint`` at the end of training, against the training peak (the save must
+  not hold what sharding spared: a ZeRO-1 replica writes its share of the masters and optimizer state).
 
     python benchmarks/memory_scale.py                             # the 166M GPT of the issue (a while on a CPU)
     python benchmarks/memory_scale.py --size smoke --out x.json   # a tiny GPT, for tests
@@ -190,6 +192,10 @@ class _Measure(Callback):
         tensors = [t for per_param in state.values() for t in per_param.values() if isinstance(t, Tensor)]
         self.counts["optimizer_state"] = _bytes(tensors)
         self.counts["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with tempfile.TemporaryDirectory() as checkpoint:  # the same path on every rank: rank 0's is broadcast
+            trainer.save_checkpoint(Path(checkpoint) / "save.ckpt")
+            trainer.strategy.barrier()
+        self.counts["peak_rss_after_save"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         record = {"rank": trainer.global_rank, "stage": smp.pp_rank(), "tp_rank": smp.tp_rank(), **self.counts}
         records: list[Any] = [None] * trainer.world_size
         dist.all_gather_object(records, record)
@@ -284,6 +290,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         step = max(r["step_seconds"] for r in row["ranks"])
         worst_plan = max(abs(_states(r["planned"]) / _states(r) - 1) for r in row["ranks"])
         peak = max(r["peak_rss"] for r in row["ranks"])
+        save_peak = max(r["peak_rss_after_save"] / r["peak_rss"] for r in row["ranks"])
         growth = max(r["peak_rss"] - r["rss_before_fit"] for r in row["ranks"])
         creation = max(r["peak_rss_before_training"] - r["rss_before_fit"] for r in row["ranks"])
         summary.append(
@@ -298,6 +305,7 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "creation_growth_mib": creation / 2**20,
                 "growth_of_one_device": growth / (one["peak_rss"] - one["rss_before_fit"]) if one else None,
                 "step_seconds": step,
+                "save_peak_of_training_peak": save_peak,
                 "model_states_of_unsharded": (
                     _states(largest) / max(_states(r) for r in unsharded["ranks"]) if unsharded else None
                 ),
@@ -322,7 +330,7 @@ def print_table(summary: list[dict[str, Any]], size: str) -> None:
     )
     header = ("head", "layout", "model states", "params+masters+opt / 1", "planned vs measured", "peak RSS")
     header += ("growth", "growth / 1", "growth at train start", "step", "states / unsharded")
-    header += ("masters+opt / unsharded", "step / unsharded")
+    header += ("masters+opt / unsharded", "step / unsharded", "save peak / training peak")
     print("  ".join(header))
     for r in summary:
         kept, growth = _fraction(r["kept_of_one_device"]), _fraction(r["growth_of_one_device"])
@@ -331,7 +339,7 @@ def print_table(summary: list[dict[str, Any]], size: str) -> None:
             f"{r['planned_error']:>19.1%}  {r['peak_rss_mib']:>4.0f} MiB  {r['growth_mib']:>6.0f} MiB  {growth:>10}  "
             f"{r['creation_growth_mib']:>17.0f} MiB  {r['step_seconds']:>5.2f} s  "
             f"{_fraction(r['model_states_of_unsharded']):>18}  {_fraction(r['masters_and_state_of_unsharded']):>23}  "
-            f"{_fraction(r['step_time_of_unsharded']):>16}"
+            f"{_fraction(r['step_time_of_unsharded']):>16}  {r['save_peak_of_training_peak']:>25.3f}"
         )
 
 

@@ -71,13 +71,8 @@ class _Gpt(pl.LightningModule):
 
 
 def _masters(optimizer: torch.optim.Optimizer) -> dict[int, Tensor]:
-    """Model parameter id -> the fp32 tensor the inner optimizer updates for it."""
-    pairs = getattr(optimizer, "whole_masters", None)
-    if pairs is not None:
-        return {id(param): master for param, master in pairs()}
-    return {
-        id(p): m for p, m in zip(optimizer._half_params, optimizer._masters, strict=True)
-    }  # internals: older optimizer
+    """Model parameter id -> the fp32 tensor the inner optimizer updates for it (whole masters: no sharding here)."""
+    return optimizer.master_parts()
 
 
 def _bytes(tensors) -> int:

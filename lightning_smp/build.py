@@ -57,7 +57,7 @@ class BuildPlan:
     """The trunk's children over the stages; None without a pipeline."""
     outside: OutsidePlan | None = None
     """Where the modules outside the trunk live; None without a pipeline."""
-    shard_units: tuple[tuple[nn.Module, bool], ...] = ()
+    shard_units: tuple[nn.Module, ...] = ()
     """Sharded data parallelism's units (`sharded_data_parallel.plan_units`); empty without it."""
     split_ids: frozenset[int] = frozenset()
     """Ids of the (still whole) parameters that tensor parallelism splits ``tp`` ways."""
@@ -86,7 +86,7 @@ def plan(model: nn.Module, *, config: SMPConfig, tp: int, pp: int, sdp: int = 1)
         built = _partitioned(built, model, describe_children(trunk, trunk_name, numel=built.local_numel), config, pp)
     if sdp > 1:
         trunk_module = built.trunk[1] if built.trunk is not None else None
-        units = sharded_data_parallel.plan_units(model, config, trunk=trunk_module, numel=built.local_numel)
+        units = sharded_data_parallel.plan_units(model, trunk=trunk_module)
         built = dataclasses.replace(built, shard_units=tuple(units))
     return built
 

@@ -216,10 +216,9 @@ class SMPConfig:
     """smp: gradient bucket size in elements, for sharded data parallelism. No FSDP2 equivalent (it reduces one
     module's gradients at a time): accepted, and a changed value warns."""
     sdp_param_persistence_threshold: int = 1_000_000
-    """smp: under sharded data parallelism, a module whose every own parameter has fewer elements than this is
-    kept whole on every rank (its gradients are all-reduced, not reduce-scattered), as smp kept such parameters
-    whole. Honoured per module, since FSDP2 shards modules: a module with one large parameter shards all of its
-    own. 0 shards everything."""
+    """smp: under sharded data parallelism, a parameter with fewer elements than this is kept whole on every rank
+    (gathered with its unit, its gradients all-reduced rather than reduce-scattered), as smp kept such parameters
+    whole. 0 shards everything; the default keeps a small model whole, as smp did."""
     sdp_max_live_parameters: int = 1_000_000_000
     """smp: most parameters gathered at once, for sharded data parallelism. No FSDP2 equivalent (it gathers one
     module at a time and prefetches the next): accepted, and a changed value warns."""

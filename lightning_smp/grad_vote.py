@@ -1,14 +1,17 @@
 """The job-wide verdicts on one step's gradients: whether any rank overflowed, and the global gradient norm.
 
-Owns the two reductions and the process groups they run over, chosen from the topology in one place
-(`GradientVote.for_run`), so that every rank skips the same steps and clips by the unsharded model's norm. Not
-owned: which grads a rank passes (`optimizer.py`, `master_shard.py`: each value counted once, see
-`placement.Placement.counts_in_norm`). Both results stay on the device: no host sync.
+Owns the two reductions and the one rule of what a rank adds to the norm, for every way the masters are laid out
+(whole, ZeRO-1 shares, FSDP2 shards) and for plain fp32 optimizers: each value of the model's gradient counts once.
+A copy whose placement names another rank along tp or pp as the one counting it (`Placement.counts_in_norm`) is
+left out; a value held by n data-parallel ranks counts 1/n on each. Not owned: which grads a rank holds
+(`master_shard.py`, `sharded_data_parallel.py`). The groups come from the topology at each call; both results stay
+on the device: no host sync.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,86 +23,58 @@ from lightning_smp.placement import placement_of
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
-__all__ = ["GradientVote", "clip_grad_norm_counted", "global_grad_norm"]
+__all__ = ["Counted", "clip_grad_norm_counted", "global_grad_norm", "vote_overflow"]
+
+Counted = tuple[Tensor, int]
+"""A gradient this rank counts in the norm, with the number of data-parallel ranks holding the same values."""
 
 
-class GradientVote:
-    """The groups over which ``found_inf`` is max-reduced and grad norms are summed; ``None``: this rank alone.
-
-    Args:
-        overflow_group: every rank whose step must be skipped together (the whole job).
-        norm_group: the ranks holding different gradient values of one model: the model-parallel ranks, and the
-            data-parallel ranks too when each holds a share of the gradients (sharded optimizer state).
-    """
-
-    def __init__(
-        self, *, overflow_group: dist.ProcessGroup | None = None, norm_group: dist.ProcessGroup | None = None
-    ) -> None:
-        self._overflow_group = overflow_group
-        self._norm_group = norm_group
-
-    @classmethod
-    def for_run(cls, topology: Topology | None, *, sharded_over_dp: bool) -> GradientVote:
-        """The vote of a run laid out as ``topology`` (``None``: one process)."""
-        if topology is None:
-            return cls()
-        norm_axis = "world" if sharded_over_dp else "mp"
-        return cls(
-            overflow_group=topology.group("world") if topology.world_size > 1 else None,
-            norm_group=topology.group(norm_axis) if topology.size(norm_axis) > 1 else None,
-        )
-
-    def overflow(self, found_inf: Tensor) -> None:
-        """Make ``found_inf`` (in place) the job's answer: a step overflows everywhere if it overflows anywhere."""
-        if _group_size(self._overflow_group) > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=self._overflow_group)
-
-    def norm(self, grads: list[Tensor], norm_type: float, *, device: torch.device) -> Tensor:
-        """The global ``norm_type`` norm of ``grads`` (this rank's counted grads) over the norm group."""
-        return global_grad_norm(grads, norm_type, group=self._norm_group, device=device)
-
-    def forget(self) -> None:
-        """Drop the groups (destroyed at interpreter exit); later votes count this rank alone."""
-        self._overflow_group = self._norm_group = None
+def vote_overflow(found_inf: Tensor, topology: Topology | None) -> None:
+    """Make ``found_inf`` (in place) the job's answer: a step overflows everywhere if it overflows anywhere
+    (``topology`` None: this rank alone)."""
+    if topology is not None and topology.world_size > 1:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=topology.group("world"))
 
 
 def global_grad_norm(
-    grads: list[Tensor], norm_type: float, *, group: dist.ProcessGroup | None, device: torch.device
+    counted: Sequence[Counted],
+    norm_type: float,
+    *,
+    topology: Topology | None,
+    device: torch.device,
+    replicated: bool = False,
 ) -> Tensor:
-    """The ``norm_type`` norm of ``grads`` over every rank of ``group`` (each rank passing the grads it counts;
-    ``None``: this rank alone), as a 0-dim device tensor: no host sync."""
-    if not grads:
-        local = torch.zeros((), device=device)
-    elif math.isinf(norm_type):
-        local = torch.stack([g.abs().max() for g in grads]).max()
-    else:
-        local = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, norm_type)), norm_type)
-    if _group_size(group) <= 1:
+    """The ``norm_type`` norm of the whole model's gradient from every rank's ``counted`` grads (see the module's
+    rule), as a 0-dim device tensor. ``replicated``: every data-parallel replica holds every value this rank
+    counts (whole masters, plain optimizers), so one replica's sum is the model's and the sum runs over the
+    model-parallel group only; otherwise over the whole job. Every rank must pass the same ``replicated``."""
+    axis = "mp" if replicated else "world"
+    group = topology.group(axis) if topology is not None and topology.size(axis) > 1 else None
+    grads = [grad for grad, _ in counted if grad.numel()]
+    if math.isinf(norm_type):  # a copy changes no maximum
+        local = torch.stack([g.abs().max() for g in grads]).max().float() if grads else torch.zeros((), device=device)
+        if group is not None:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         return local
-    if math.isinf(norm_type):
-        dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        return local
-    powered = local.pow(norm_type)
-    dist.all_reduce(powered, op=dist.ReduceOp.SUM, group=group)
-    return powered.pow(1.0 / norm_type)
+    by_copies: dict[int, list[Tensor]] = {}
+    for grad, copies in counted:
+        by_copies.setdefault(1 if replicated else copies, []).append(grad)
+    local = torch.zeros((), dtype=torch.float32, device=device)
+    for copies, same in by_copies.items():  # one foreach kernel per weight
+        powered = torch.stack(torch._foreach_norm(same, norm_type)).float().pow(norm_type).sum()
+        local = local + (powered / copies if copies > 1 else powered)
+    if group is not None:
+        dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+    return local.pow(1.0 / norm_type)
 
 
-def clip_grad_norm_counted(params: list[Tensor], max_norm: float, *, group: dist.ProcessGroup | None) -> Tensor:
-    """Clip the grads of plain (fp32) ``params`` by their global norm over ``group``, counting each value once (a
-    parameter whose placement is a norm duplicate does not count), as `MasterWeightOptimizer.clip_master_grads`
-    does for masters."""
+def clip_grad_norm_counted(params: list[Tensor], max_norm: float, *, topology: Topology | None) -> Tensor:
+    """Clip the grads of plain (fp32, data-parallel replicated) ``params`` by the model's global norm, counting
+    each value once, as `MasterWeightOptimizer.clip_master_grads` does for masters; returns that norm."""
     with_grads = [p for p in params if p.grad is not None]
-    grads = [p.grad for p in with_grads]
-    device = grads[0].device if grads else torch.device("cpu")
-    norm = global_grad_norm(
-        [p.grad for p in with_grads if placement_of(p).counts_in_norm], 2.0, group=group, device=device
-    )
-    if grads:
-        torch._foreach_mul_(grads, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    device = with_grads[0].grad.device if with_grads else torch.device("cpu")
+    counted = [(p.grad, 1) for p in with_grads if placement_of(p).counts_in_norm]
+    norm = global_grad_norm(counted, 2.0, topology=topology, device=device, replicated=True)
+    if with_grads:
+        torch._foreach_mul_([p.grad for p in with_grads], torch.clamp(max_norm / (norm + 1e-6), max=1.0))
     return norm
-
-
-def _group_size(group: dist.ProcessGroup | None) -> int:
-    if group is None or not dist.is_available() or not dist.is_initialized():
-        return 1
-    return dist.get_world_size(group)

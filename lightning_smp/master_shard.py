@@ -1,9 +1,11 @@
-"""This rank's fp32 master weights: all of them (`WholeMasters`), or a contiguous 1/dp share (`ShardedMasters`, ZeRO-1).
+"""Where one optimizer's fp32 master weights live: the `Masters` protocol and its whole and ZeRO-1 layouts.
 
-Owns where the masters and their fp32 grads live, how the model's grads get into them (a copy, or a reduce-scatter
-over the data-parallel replicas), how updated masters get back into the model (a copy, or an all-gather), and the
-translation between what the inner optimizer updates and whole model parameters (checkpoints). Not owned: the
-order of an update and the overflow/norm vote (`optimizer.py`, `grad_vote.py`).
+Owns where the masters and their fp32 grads live, the gradient intake (`Masters.take_grads`: how the model's grads
+get into the master grads — a copy, or a reduce-scatter over the data-parallel replicas; FSDP2's shards, the third
+layout, in `sharded_data_parallel.py`, reduce their own), how updated masters get back into the model (a copy, or an
+all-gather), which grads count in the global norm, and the translation between what the inner optimizer updates and
+whole model parameters (checkpoints). Not owned: the order of an update and which parameters are trained
+(`optimizer.py`), the overflow vote and the norm's reduction (`grad_vote.py`).
 Sharded, as smp did: one flat buffer per parameter dtype, padded to a multiple of dp; each replica owns a
 contiguous share of it, and the inner optimizer sees one 1-D piece per parameter that overlaps that share
 (Megatron's "shard main params"), so param groups, LR schedulers and element-wise optimizers work unchanged;
@@ -15,26 +17,111 @@ while the next forward runs; here the reduce-scatter and all-gather run whole, a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_smp.grad_vote import Counted
 from lightning_smp.placement import placement_of
 
-__all__ = ["HALF_DTYPES", "ShardedMasters", "WholeMasters"]
+if TYPE_CHECKING:
+    from lightning_smp.topology import Topology
+
+__all__ = ["HALF_DTYPES", "FlatPiece", "Masters", "Run", "ShardedMasters", "WholeMasters", "single_device"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+Run = Callable[[], "Topology | None"]
+"""The running job's topology, looked up at each use (None: one process, or the run has ended): masters keep no
+process group, so that the groups are freed when the run ends."""
+
+
+class Masters(Protocol):
+    """The fp32 masters of the trained parameters of one optimizer, wherever they live.
+
+    Built as ``Masters(params, run)`` over the parameters the optimizer trains (`MasterWeightOptimizer` decides
+    which), in its param groups' order.
+    """
+
+    params: list[Tensor]
+    """The model parameters whose masters these are."""
+    replicated: bool
+    """Whether every data-parallel replica holds every master (the global norm then sums one replica's)."""
+
+    def optimized(self) -> dict[int, Tensor]:
+        """id(model parameter) → the tensor the inner optimizer updates in its place (absent: none on this rank)."""
+
+    def master_params(self) -> list[Tensor]:
+        """The fp32 tensors the inner optimizer updates."""
+
+    def take_grads(self) -> None:
+        """The gradient intake: make the model's latest grads (still loss-scaled) the master grads `grads` returns,
+        reduced over the data-parallel replicas where the masters are sharded. Collective where it reduces."""
+
+    def grads(self) -> list[Tensor]:
+        """The fp32 grads the update reads (unscaled, clipped in place)."""
+
+    def counted_grads(self) -> list[Counted]:
+        """The grads this rank counts in the global norm (`grad_vote`'s rule)."""
+
+    def finite_check_grads(self) -> list[Tensor] | None:
+        """The fused fast path: the still-scaled grads whose finiteness decides overflow, read in place of the
+        unscale (after `take_grads`); None where there is no such path (then `grads` are unscaled)."""
+
+    def write_params(self) -> None:
+        """Put the updated masters into the model's parameters. Collective where the masters are sharded."""
+
+    def after_step(self) -> None:
+        """Restore what `take_grads` changed for one step only."""
+
+    def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
+        """(model parameter, its fp32 master) for the masters that are copies, in order (``state_dict``)."""
+
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        """id(model parameter) → its fp32 master as this rank holds it, for checkpoints to write and to load into in
+        place: the whole master (the parameter itself when it is its own), or this replica's `FlatPiece` of it."""
+
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        """Set the masters from values by id(model parameter) (whole tensors: this rank takes its part; the parts
+        `master_parts` handed out, loaded in place, are kept), then the model's parameters from the masters."""
+
+    def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
+        """Each model parameter with optimizer state on this rank, with that state: element-wise values shaped like
+        the parameter (or this replica's `FlatPiece` of them), others as they are."""
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor | FlatPiece | None:
+        """An empty tensor for what this rank holds of an element-wise optimizer state of ``param`` (a checkpoint
+        loads into it); None when it holds none."""
+
+    def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        """Per-parameter states by id(model parameter) (whole, or the parts `state_part` made) → this rank's states
+        by id(the tensor the optimizer updates)."""
+
+
+@dataclass(frozen=True)
+class FlatPiece:
+    """Elements [start, start + flat.numel()) of a tensor shaped ``shape``, flattened row-major: what a ZeRO-1
+    replica holds of a parameter's master or of its element-wise optimizer state. Checkpoints write and read it as
+    chunks of the tensor (`checkpoint.dcp_adapter`), so that no replica gathers a whole one."""
+
+    shape: torch.Size
+    start: int
+    flat: Tensor
 
 
 class WholeMasters:
     """Every master on this rank: half-precision parameters get fp32 copies in one flat buffer (param-shaped views,
-    so unscale, overflow check and norm are one kernel each); fp32 parameters are their own masters."""
+    so unscale, overflow check and norm are one kernel each); fp32 parameters are their own masters. The grads are
+    all-reduced over the replicas before the intake (DDP, the pipeline engine), which copies them."""
 
-    def __init__(self, params: Sequence[Tensor], device: torch.device) -> None:
+    replicated = True
+
+    def __init__(self, params: Sequence[Tensor], run: Run) -> None:
+        device = single_device(params)
         self.half_params = [p for p in params if p.dtype in HALF_DTYPES]
         self.own_params = [p for p in params if p.dtype not in HALF_DTYPES]
         self._flat_master = torch.empty(sum(p.numel() for p in self.half_params), dtype=torch.float32, device=device)
@@ -65,7 +152,7 @@ class WholeMasters:
     def master_params(self) -> list[Tensor]:
         return [*self.masters, *self.own_params]
 
-    def read_grads(self) -> None:
+    def take_grads(self) -> None:
         """Copy the half grads of the latest backward, still scaled, into the fp32 master grads."""
         half_grads = [p.grad for p in self.half_params]
         if any(g is None for g in half_grads):
@@ -83,30 +170,30 @@ class WholeMasters:
         elif half_grads:
             torch._foreach_copy_(self._grad_views, half_grads)
 
-    def all_half_grads(self) -> list[Tensor] | None:
-        """The half grads, when every half parameter has one (the fused fast path reads them directly)."""
-        grads = [p.grad for p in self.half_params]
-        return None if any(g is None for g in grads) else grads
+    def finite_check_grads(self) -> list[Tensor] | None:
+        """The half grads (half the bytes of their fp32 copies) and the fp32 params' grads, when every half
+        parameter has a grad; None otherwise (then the masters' grads are checked as they are unscaled)."""
+        half_grads = [p.grad for p in self.half_params]
+        if any(g is None for g in half_grads):
+            return None
+        return half_grads + [p.grad for p in self.own_params if p.grad is not None]
 
     def grads(self) -> list[Tensor]:
         """Every fp32 grad the update reads: the flat master grad (one kernel) and the fp32 params' own grads."""
         own = [p.grad for p in self.own_params if p.grad is not None]
         return ([self._flat_grad] if self.half_params else []) + own
 
-    def counted_grads(self) -> list[Tensor]:
+    def counted_grads(self) -> list[Counted]:
         """The grads that count in the global norm: all of them (one flat kernel) unless some are duplicates."""
         if all(self._norm_counts):
-            return self.grads()
+            return [(grad, 1) for grad in self.grads()]
         grads = [master.grad for master in self.masters] + [p.grad for p in self.own_params]
-        return [g for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
+        return [(g, 1) for g, counts in zip(grads, self._norm_counts, strict=True) if counts and g is not None]
 
     def write_params(self) -> None:
         """Copy the masters into the half-precision parameters."""
         if self.half_params:
             torch._foreach_copy_(self.half_params, self.masters)
-
-    def forget_group(self) -> None:
-        """Nothing to drop: whole masters need no process group."""
 
     def after_step(self) -> None:
         if self._grads_detached:
@@ -114,25 +201,31 @@ class WholeMasters:
                 master.grad = view
             self._grads_detached = False
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its fp32 master (itself when already fp32); the masters themselves."""
-        return [*zip(self.half_params, self.masters, strict=True), *((p, p) for p in self.own_params)]
+    def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
+        return list(zip(self.half_params, self.masters, strict=True))
 
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Set the masters from whole fp32 values by id(model parameter) (a master passed as its own value is
-        skipped), then the half-precision parameters from the masters."""
-        for param, master in self.whole_masters():
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        return {id(p): m for p, m in self._pairs()}
+
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        for param, master in self._pairs():
             value = values.get(id(param))
             if value is not None and value is not master:
                 master.copy_(value)
         self.write_params()
 
     def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
-        return [(p, dict(inner_state[m])) for p, m in self.whole_masters() if inner_state.get(m)]
+        return [(p, dict(inner_state[m])) for p, m in self._pairs() if inner_state.get(m)]
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor:
+        return torch.empty(param.shape, dtype=dtype, device=param.device)
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Whole per-parameter states by id(model parameter) → states by id(the tensor the optimizer updates)."""
-        return {id(m): states[id(p)] for p, m in self.whole_masters() if id(p) in states}
+        return {id(m): states[id(p)] for p, m in self._pairs() if id(p) in states}
+
+    def _pairs(self) -> list[tuple[Tensor, Tensor]]:
+        """Each model parameter with its fp32 master (itself when already fp32)."""
+        return [*zip(self.half_params, self.masters, strict=True), *((p, p) for p in self.own_params)]
 
 
 @dataclass
@@ -164,13 +257,16 @@ class ShardedMasters:
 
     Args:
         params: every parameter the optimizer updates, in its param groups' order.
-        device: where the shares live.
-        group: the data-parallel replicas that hold the same parameters.
+        run: the running job, whose data-parallel replicas hold the same parameters.
     """
 
-    def __init__(self, params: Sequence[Tensor], device: torch.device, group: dist.ProcessGroup) -> None:
+    replicated = False
+
+    def __init__(self, params: Sequence[Tensor], run: Run) -> None:
         self.params = list(params)
-        self._group = group
+        self._run = run
+        device = single_device(params)
+        group = self._group()
         self._replicas = dist.get_world_size(group)
         rank = dist.get_rank(group)
         by_dtype: dict[torch.dtype, list[Tensor]] = {}
@@ -204,7 +300,7 @@ class ShardedMasters:
     def master_params(self) -> list[Tensor]:
         return [piece.master for piece in self._pieces]
 
-    def read_grads(self) -> None:
+    def take_grads(self) -> None:
         """Average the model's grads over the replicas, each keeping its share (reduce-scatter, in the grads'
         dtype as DDP's all-reduce is; divided first, as DDP averages), into the fp32 grad share. A parameter with no
         grad contributes zeros (its state still advances, unlike an unsharded step)."""
@@ -216,114 +312,106 @@ class ShardedMasters:
                 torch._foreach_copy_([view for view, _ in present], [grad for _, grad in present])
             flat.div_(self._replicas)
             share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
-            dist.reduce_scatter_tensor(share, flat, group=self._group)
+            dist.reduce_scatter_tensor(share, flat, group=self._group())
             if share is not bucket.grad:
                 bucket.grad.copy_(share)
 
-    def all_half_grads(self) -> None:
+    def finite_check_grads(self) -> None:
         return None  # the grads are this rank's share only after a reduce-scatter: no fused fast path
 
     def grads(self) -> list[Tensor]:
         return [bucket.grad for bucket in self._buckets]
 
-    def counted_grads(self) -> list[Tensor]:
+    def counted_grads(self) -> list[Counted]:
         if all(self._counts):
-            return self.grads()  # the padding is zero
-        return [piece.master.grad for piece, counts in zip(self._pieces, self._counts, strict=True) if counts]
+            return [(grad, 1) for grad in self.grads()]  # the padding is zero
+        return [(piece.master.grad, 1) for piece, counts in zip(self._pieces, self._counts, strict=True) if counts]
 
     def write_params(self) -> None:
         """All-gather the updated shares into every replica's parameters (in their dtype)."""
-        for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda bucket: bucket.dtype):
+        for bucket in self._buckets:
+            full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.master.device)
+            dist.all_gather_into_tensor(full, bucket.master.to(bucket.dtype), group=self._group())
             torch._foreach_copy_(bucket.params, _views(full, bucket.params))
 
     def after_step(self) -> None:
         pass
 
-    def forget_group(self) -> None:
-        """Drop the replicas' group (destroyed at interpreter exit); the masters can no longer be used."""
-        self._group = None
+    def positional_masters(self) -> list[tuple[Tensor, Tensor]]:
+        raise ValueError(
+            "`optimizer.state_dict()` and `load_state_dict()` hold one rank's masters by position, which a sharded "
+            "optimizer (shard_optimizer_state=True) does not have whole. Use `trainer.save_checkpoint` / "
+            "`ckpt_path=` or `smp.save_checkpoint` / `smp.resume_from_checkpoint`: they store the optimizer state "
+            "by parameter name, which loads at any data-parallel degree, sharded or not."
+        )
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its whole fp32 master, gathered from every replica's share (collective: every
-        replica calls it; new tensors)."""
-        pairs = []
-        for bucket, full in self._gathered(lambda bucket: bucket.master, dtype_of=lambda _: torch.float32):
-            pairs += [(p, v.view_as(p)) for v, p in zip(_views(full, bucket.params), bucket.params, strict=True)]
-        return pairs
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        """Every parameter's `FlatPiece` on this replica (an empty one where it holds none): a checkpoint writes
+        each replica's share as chunks and reads into them, gathering nothing."""
+        parts: dict[int, Tensor | FlatPiece] = {}
+        for param in self.params:
+            parts[id(param)] = FlatPiece(param.shape, 0, torch.empty(0, dtype=torch.float32, device=param.device))
+        for piece in self._pieces:
+            parts[id(piece.param)] = FlatPiece(piece.param.shape, piece.start, piece.master.detach())
+        return parts
 
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Take this rank's share of whole fp32 values by id(model parameter), then all-gather into the params."""
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        """Take this rank's share of the values (whole ones, or this rank's pieces), then all-gather the shares
+        into every replica's parameters."""
         for piece in self._pieces:
             value = values.get(id(piece.param))
-            if value is not None:
+            if isinstance(value, FlatPiece):
+                if value.flat.data_ptr() != piece.master.data_ptr():  # else: loaded in place
+                    piece.master.copy_(value.flat[piece.start - value.start : piece.end - value.start])
+            elif value is not None:
                 piece.master.copy_(value.reshape(-1)[piece.start : piece.end])
         self.write_params()
 
     def state_by_param(self, inner_state: dict[Tensor, Any]) -> list[tuple[Tensor, dict[str, Any]]]:
-        """The optimizer state of every parameter with a piece on this rank, whole and shaped like the parameter:
-        element-wise state is all-gathered from every replica's share (collective; a transient whole copy),
-        scalar state (a step count) is this rank's."""
-        tensor_keys = self._elementwise_keys(inner_state)
-        states: dict[int, dict[str, Any]] = {}
+        """The optimizer state of every parameter with a piece on this rank: element-wise values as that piece's
+        `FlatPiece`, scalar ones (a step count) as they are. Nothing is gathered."""
+        states = []
         for piece in self._pieces:
             state = inner_state.get(piece.master)
             if state:
-                states[id(piece.param)] = {k: v for k, v in state.items() if k not in tensor_keys}
-        for key in tensor_keys:
-            for bucket, full in self._gathered(
-                lambda bucket, key=key: self._state_share(bucket, inner_state, key), dtype_of=lambda _: torch.float32
-            ):
-                for view, param in zip(_views(full, bucket.params), bucket.params, strict=True):
-                    if id(param) in states:
-                        states[id(param)][key] = view.view_as(param)
-        return [(piece.param, states[id(piece.param)]) for piece in self._pieces if id(piece.param) in states]
+                states.append((piece.param, {key: _as_part(piece, value) for key, value in state.items()}))
+        return states
+
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> FlatPiece | None:
+        piece = next((piece for piece in self._pieces if piece.param is param), None)
+        if piece is None:
+            return None
+        flat = torch.empty(piece.end - piece.start, dtype=dtype, device=param.device)
+        return FlatPiece(param.shape, piece.start, flat)
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        """Whole per-parameter states by id(model parameter) → this rank's pieces of them by id(piece)."""
+        """Per-parameter states by id(model parameter) → this rank's pieces of them by id(piece)."""
         pieces = {}
         for piece in self._pieces:
             state = states.get(id(piece.param))
             if state is not None:
-                pieces[id(piece.master)] = {
-                    key: value.reshape(-1)[piece.start : piece.end].clone()
-                    if _elementwise(value, piece.param)
-                    else value
-                    for key, value in state.items()
-                }
+                pieces[id(piece.master)] = {key: _own_part(piece, value) for key, value in state.items()}
         return pieces
 
-    def _elementwise_keys(self, inner_state: dict[Tensor, Any]) -> list[str]:
-        """The state keys shaped like their piece, agreed by every replica (checkpoints only: an object gather)."""
-        mine = sorted(
-            {
-                key
-                for piece in self._pieces
-                for key, value in inner_state.get(piece.master, {}).items()
-                if isinstance(value, Tensor) and value.dim() > 0 and value.shape == piece.master.shape
-            }
+    def _group(self) -> dist.ProcessGroup:
+        topology = self._run()
+        if topology is None:
+            raise RuntimeError(
+                "The run of this sharded optimizer has ended and its process groups are gone: its masters live on "
+                "the data-parallel replicas. Build a new optimizer in the next run (`configure_optimizers`)."
+            )
+        return topology.group("dp")
+
+
+def single_device(params: Sequence[Tensor]) -> torch.device:
+    """The one device ``params`` live on (the CPU for none)."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"The optimizer's parameters live on several devices {sorted(map(str, devices))}; one rank trains on "
+            "one device. Move the model to one device before building the optimizer."
         )
-        gathered: list[list[str]] = [[] for _ in range(self._replicas)]
-        dist.all_gather_object(gathered, mine, group=self._group)
-        return sorted({key for keys in gathered for key in keys})
-
-    def _state_share(self, bucket: _Bucket, inner_state: dict[Tensor, Any], key: str) -> Tensor:
-        share = torch.zeros_like(bucket.master)
-        for piece in self._pieces:
-            value = inner_state.get(piece.master, {}).get(key)
-            if piece.bucket is bucket and value is not None:
-                share[piece.at : piece.at + piece.end - piece.start].copy_(value)
-        return share
-
-    def _gathered(self, share_of: Any, *, dtype_of: Any) -> Iterator[tuple[_Bucket, Tensor]]:
-        for bucket in self._buckets:
-            dtype = dtype_of(bucket)
-            full = torch.empty(bucket.padded, dtype=dtype, device=bucket.master.device)
-            dist.all_gather_into_tensor(full, share_of(bucket).to(dtype), group=self._group)
-            yield bucket, full
-
-
-def _elementwise(value: Any, param: Tensor) -> bool:
-    return isinstance(value, Tensor) and value.dim() > 0 and value.numel() == param.numel()
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def _offsets(params: Sequence[Tensor]) -> list[int]:
@@ -336,3 +424,18 @@ def _offsets(params: Sequence[Tensor]) -> list[int]:
 
 def _views(flat: Tensor, params: Sequence[Tensor]) -> list[Tensor]:
     return [flat[o : o + p.numel()].view_as(p) for o, p in zip(_offsets(params), params, strict=True)]
+
+
+def _as_part(piece: _Piece, value: Any) -> Any:
+    """An optimizer state value of ``piece`` as checkpoints store it: an element-wise one as a `FlatPiece`."""
+    elementwise = isinstance(value, Tensor) and value.dim() > 0 and value.shape == piece.master.shape
+    return FlatPiece(piece.param.shape, piece.start, value) if elementwise else value
+
+
+def _own_part(piece: _Piece, value: Any) -> Any:
+    """``piece``'s part of a loaded optimizer state value: its `FlatPiece`, or its range of a whole value."""
+    if isinstance(value, FlatPiece):
+        return value.flat[piece.start - value.start : piece.end - value.start]
+    if isinstance(value, Tensor) and value.dim() > 0 and value.numel() == piece.param.numel():
+        return value.reshape(-1)[piece.start : piece.end].clone()
+    return value

@@ -25,6 +25,7 @@ from lightning_smp import build
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan
+from lightning_smp.sharded_data_parallel import keeps_whole
 from lightning_smp.topology import rank_groups
 
 __all__ = [
@@ -49,10 +50,11 @@ _SHARDED_ASSUMPTION = (
 _SDP_ASSUMPTION = (
     "sharded_data_parallel_degree: the parameters of each sharded unit (a trunk child, the root's rest) are held as "
     "fp32 shards of 1/sdp (dim 0 split, rounded up), which are the masters, with fp32 gradient shards and fp32 Adam "
-    "state over them; modules kept whole (sdp_param_persistence_threshold) hold all of their fp32 parameters, "
-    "gradients and state; the step buffer is the largest unit gathered for compute: its parameters and gradients in "
-    "the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the next unit "
-    "prefetched while one computes, the root kept gathered between forward and backward, the communication buffers"
+    "state over them; parameters kept whole (below sdp_param_persistence_threshold) are held whole in fp32, with "
+    "their gradients and state; the step buffer is the largest unit gathered for compute: its parameters and "
+    "gradients in the compute dtype, plus the fp32 gradients of the reduce-scatter under fp16/bf16; not counted: the "
+    "next unit prefetched while one computes, the root kept gathered between forward and backward, the "
+    "communication buffers"
 )
 _TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
@@ -418,11 +420,10 @@ def _sharded_data_parallel(
 ) -> tuple[dict[str, int], int]:
     """A rank's model states under ``sharded_data_parallel_degree`` (the units of the build's ``plan``, as ``shard``
     wraps them): fp32 parameter shards (the masters), fp32 gradient shards and fp32 Adam state of 1/sdp of each sharded
-    parameter, whole ones for the modules kept whole; and the step buffer of the largest unit gathered."""
-    whole = {id(p) for module, is_sharded in plan if not is_sharded for p in module.parameters(recurse=False)}
+    parameter, whole ones for the parameters kept whole; and the step buffer of the largest unit gathered."""
     unit_of: dict[int, int] = {}
-    for index, (module, is_sharded) in enumerate(plan):  # descendants first: a parameter's innermost unit
-        for param in module.parameters() if is_sharded else ():
+    for index, module in enumerate(plan):  # trunk children first: a parameter's own unit
+        for param in module.parameters():
             unit_of.setdefault(id(param), index)
     count = dict.fromkeys(("parameters", "gradients", "masters", "master_gradients", "optimizer_state"), 0)
     gathered: dict[int, int] = {}  # unit → bytes gathered for its compute (parameters, gradients, fp32 reduce input)
@@ -430,9 +431,10 @@ def _sharded_data_parallel(
     compute = _MASTER_BYTES if half is None else half.itemsize
     for key, (param, _) in params.items():
         elements = param.numel() // layout.tp if key in tensor_parallel else param.numel()
-        local = elements if key in whole else -(-elements // layout.sdp)
+        whole = keeps_whole(elements, config)
+        local = elements if whole else -(-elements // layout.sdp)
         count["parameters"] += local * _MASTER_BYTES
-        if key not in whole:
+        if not whole:
             per_element = compute + (
                 (compute + (_MASTER_BYTES if half is not None else 0)) if param.requires_grad else 0
             )

@@ -1,28 +1,33 @@
-"""The FP16/BF16 master-weight optimizer: the order of one update over fp32 masters, and its state by parameter.
+"""The master-weight optimizer: the order of one update over fp32 masters, and its state by parameter.
 
-It owns the order of one update (read grads → unscale → check → clip → step → write back → rescale) and the public
-view of its state by model parameter that checkpoints read and write. It does not own where the masters live
-(`master_shard.py`), the job-wide overflow and norm reductions (`grad_vote.py`), the loss-scale rule
-(`loss_scaler.py`) nor when Lightning calls it (`precision.py`). `found_inf` stays on the device: fused optimizers
-(`fused=True`) take it and skip the update themselves, so a CUDA step never waits for the host; other optimizers
-read it once per step, as `torch.amp.GradScaler` does.
+It owns the order of one update (take grads → unscale → check → clip → step → write back → rescale), which of
+the optimizer's parameters are trained (those that require grad, decided here once for every layout) and the
+public view of its state by model parameter that checkpoints read and write. Where the masters live and how grads
+reach them is a `Masters` (`master_shard.py`: whole, ZeRO-1 shares; `sharded_data_parallel.py`: FSDP2's shards);
+the job-wide overflow vote and norm are `grad_vote.py`'s, the loss-scale rule `loss_scaler.py`'s, when Lightning
+calls it `precision.py`'s. `found_inf` stays on the device: fused optimizers (`fused=True`) take it and skip the
+update themselves, so a CUDA step never waits for the host; other optimizers read it once per step, as
+`torch.amp.GradScaler` does.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_smp.grad_vote import GradientVote
+from lightning_smp.grad_vote import global_grad_norm, vote_overflow
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.loss_scaler import DynamicLossScaler, LossScaler, StaticLossScaler
-from lightning_smp.master_shard import HALF_DTYPES, ShardedMasters, WholeMasters
+from lightning_smp.master_shard import HALF_DTYPES, FlatPiece, Masters, Run, WholeMasters, single_device
+
+if TYPE_CHECKING:
+    from lightning_smp.topology import Topology
 
 __all__ = ["MasterWeightOptimizer", "build_loss_scaler", "load_state_by_tensor"]
 
@@ -33,26 +38,28 @@ class _StepState:
     optimizer's class dynamically and forwards attribute reads (not writes) to it: methods must never assign
     attributes on `self`."""
 
-    grads_read: bool = False  # the half grads of the latest backward are in the masters' grads and checked
+    grads_read: bool = False  # the grads of the latest backward are in the masters' grads and checked
 
 
 class MasterWeightOptimizer(Optimizer):
-    """Wraps a torch optimizer built over fp16/bf16 parameters so that it updates fp32 master copies.
+    """Wraps a torch optimizer built over a model's parameters so that it updates their fp32 masters.
 
     The inner optimizer's param groups are re-pointed at the masters, and this wrapper's ``param_groups`` and
     ``state`` ARE the inner optimizer's, so ``StepLR(wrapper)`` and ``StepLR(wrapper.optimizer)`` both work.
-    Parameters that are already fp32 (e.g. BatchNorm kept in fp32) are their own masters, except when sharded:
-    then every parameter, fp32 too, has this replica's share of an fp32 master, and the inner optimizer updates
-    one 1-D piece per parameter overlapping that share.
+    A parameter that does not require grad when the optimizer is wrapped (frozen) is left out of the groups: no
+    master, no master grad, no state, never changed, as a torch optimizer skips a parameter without a grad; a
+    group of frozen parameters only stays, empty. Where the masters live is ``masters``:
+    `WholeMasters` (fp32 copies of half-precision parameters; fp32 ones are their own), `ShardedMasters` (this
+    data-parallel replica's share, ZeRO-1) or `FSDPMasters` (FSDP2's sharded fp32 parameters).
 
     Args:
-        optimizer: the inner optimizer, constructed over the model's (half-precision) parameters.
-        loss_scaler: fp16: a static or dynamic scaler; bf16: ``None`` (no scaling, no overflow check).
-        vote: the process groups of the overflow vote and of the gradient norm (`GradientVote.for_run`);
-            ``None``: this rank alone. With ``shard_group`` its norm group must span the replicas too.
-        shard_group: shard the masters and the optimizer state over these data-parallel replicas (ZeRO-1,
-            `ShardedMasters`): the grads are then reduce-scattered here, so the replicas' grads must not be
-            all-reduced before. ``None``: this rank keeps every master.
+        optimizer: the inner optimizer, constructed over the model's parameters.
+        loss_scaler: fp16: a static or dynamic scaler; bf16 and fp32: ``None`` (no scaling, no overflow check).
+        topology: the run's layout, whose groups the overflow vote, the norm and sharded masters use while it
+            runs (held weakly: the groups are freed when the run drops it); ``None``: this rank alone.
+        masters: the `Masters` class to build over the trained parameters.
+        clip_norm: clip the master grads to this global norm at every step (smp's ``sdp_gradient_clipping``);
+            ``None``: only when asked (``clip_master_grads``, Lightning's ``gradient_clip_val``).
     """
 
     def __init__(
@@ -60,32 +67,28 @@ class MasterWeightOptimizer(Optimizer):
         optimizer: Optimizer,
         *,
         loss_scaler: LossScaler | None,
-        vote: GradientVote | None = None,
-        shard_group: dist.ProcessGroup | None = None,
+        topology: Topology | None = None,
+        masters: Callable[[list[Tensor], Run], Masters] = WholeMasters,
+        clip_norm: float | None = None,
     ) -> None:
         if isinstance(optimizer, MasterWeightOptimizer):
             raise ValueError("The optimizer is already a MasterWeightOptimizer; wrap the plain optimizer once.")
         params = _params_of(optimizer)
-        device = _single_device(params)
-        self._init_update_state(optimizer, loss_scaler, device)
-        self._vote = vote if vote is not None else GradientVote()
-        sharded = shard_group is not None and dist.get_world_size(shard_group) > 1
-        self._masters = ShardedMasters(params, device, shard_group) if sharded else WholeMasters(params, device)
-        optimized = self._masters.optimized()
-        for group in optimizer.param_groups:
-            group["params"] = [optimized[id(p)] for p in group["params"] if id(p) in optimized]
-        self._fused = any(group.get("fused") for group in optimizer.param_groups)
-
-    def _init_update_state(self, optimizer: Optimizer, loss_scaler: LossScaler | None, device: torch.device) -> None:
-        """What every update keeps, wherever the masters live (here, or FSDP2's shards in a subclass): the inner
-        optimizer, the loss scale, the overflow flag, the skipped-step count. Deliberately no
-        `Optimizer.__init__`: the param groups and state are the inner optimizer's own objects."""
+        device = single_device(params)
+        self._frozen = [p for p in params if not p.requires_grad]
         self._inner = optimizer
         self._step_state = _StepState()
         self._loss_scaler = loss_scaler.to(device) if loss_scaler is not None else None
         self._found_inf = torch.zeros((), dtype=torch.float32, device=device)
         self._skipped_steps = torch.zeros((), dtype=torch.float32, device=device)
         self._last_skip = HostMirror(device)
+        self._run: Run = weakref.ref(topology) if topology is not None else _no_run
+        self._clip_norm = clip_norm
+        self._masters = masters([p for p in params if p.requires_grad], self._run)
+        optimized = self._masters.optimized()
+        for group in optimizer.param_groups:
+            group["params"] = [optimized[id(p)] for p in group["params"] if id(p) in optimized]
+        self._fused = any(group.get("fused") for group in optimizer.param_groups)
 
     # -- the inner optimizer's objects, shared ------------------------------------------------------------------
 
@@ -120,8 +123,8 @@ class MasterWeightOptimizer(Optimizer):
 
     def __repr__(self) -> str:
         scaler = type(self._loss_scaler).__name__ if self._loss_scaler is not None else "no loss scaling"
-        masters = len(self._masters.master_params())
-        return f"{type(self).__name__}({type(self._inner).__name__}, {masters} masters, {scaler})"
+        masters = f"{len(self._masters.master_params())} {type(self._masters).__name__}"
+        return f"{type(self).__name__}({type(self._inner).__name__}, {masters}, {scaler})"
 
     # -- what smp users read ------------------------------------------------------------------------------------
 
@@ -163,21 +166,21 @@ class MasterWeightOptimizer(Optimizer):
         self._step_state.grads_read = False
 
     def unscale_grads(self) -> None:
-        """Copy the half grads into the fp32 master grads, unscale them and decide overflow for the whole job.
+        """Take the model's grads into the fp32 master grads, unscale them and decide overflow for the whole job.
 
         Runs at most once per backward; clipping, ``overflow`` and ``step`` call it as needed.
         """
         if self._step_state.grads_read:
             return
         self._step_state.grads_read = True
-        self._masters.read_grads()
+        self._take_grads()
         self._found_inf.zero_()
         if self._loss_scaler is None:
             return
         grads = self._masters.grads()
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self._found_inf, self._loss_scaler.inv_scale)
-        self._vote.overflow(self._found_inf)
+        vote_overflow(self._found_inf, self._run())
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the fp32 master grads by their global norm; returns that norm, or -1 on overflow (as smp).
@@ -186,7 +189,13 @@ class MasterWeightOptimizer(Optimizer):
         """
         self.unscale_grads()
         grads = self._masters.grads()
-        norm = self._vote.norm(self._masters.counted_grads(), float(norm_type), device=self._found_inf.device)
+        norm = global_grad_norm(
+            self._masters.counted_grads(),
+            float(norm_type),
+            topology=self._run(),
+            device=self._found_inf.device,
+            replicated=self._masters.replicated,
+        )
         coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         if grads:
             torch._foreach_mul_(grads, coefficient)
@@ -195,18 +204,21 @@ class MasterWeightOptimizer(Optimizer):
     def clip_master_grads_by_value(self, clip_value: float) -> None:
         """Clamp every fp32 master grad to ``[-clip_value, clip_value]``."""
         self.unscale_grads()
-        grads = self._update_grads()
+        grads = self._masters.grads()
         if grads:
             torch._foreach_clamp_min_(grads, -clip_value)
             torch._foreach_clamp_max_(grads, clip_value)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Unscale, then update the masters unless the step overflowed, copy them into the model, rescale."""
+        """Unscale (and clip to ``clip_norm``), then update the masters unless the step overflowed, copy them into
+        the model, rescale."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._clip_norm is not None:
+            self.clip_master_grads(self._clip_norm)
         if self._fused:
             grad_scale = None if self._step_state.grads_read else self._copy_scaled_grads_and_check()
             self._inner.found_inf = self._found_inf if self._loss_scaler is not None else None
@@ -222,10 +234,17 @@ class MasterWeightOptimizer(Optimizer):
         self._step_state.grads_read = True  # until the next backward, `overflow` reports this step
         return loss
 
-    def _update_grads(self) -> list[Tensor]:
-        """The gradients the update reads: the fp32 master grads (a subclass whose parameters are their own
-        masters returns theirs)."""
-        return self._masters.grads()
+    def _take_grads(self) -> None:
+        """The masters' gradient intake, refusing a parameter unfrozen since the optimizer was wrapped."""
+        unfrozen = [tuple(p.shape) for p in self._frozen if p.requires_grad and p.grad is not None]
+        if unfrozen:
+            raise ValueError(
+                f"{len(unfrozen)} parameter(s) (shapes {unfrozen[:3]}) have gradients but did not require grad when "
+                "the optimizer was wrapped, so they have no master weights and would never change. Unfreeze "
+                "parameters before `trainer.fit` (the optimizer is built again at the start of every fit), or keep "
+                "them trainable and set their learning rate to 0 in a param group until they should train."
+            )
+        self._masters.take_grads()
 
     def _count_step(self) -> None:
         """After a step: count it if it was skipped, remember that for `last_step_skipped`, update the scale."""
@@ -238,22 +257,23 @@ class MasterWeightOptimizer(Optimizer):
         """The fused fast path: copy the still-scaled half grads into the master grads and decide overflow with
         one read-only pass over the half grads (half the bytes of the fp32 copies); the fused optimizer divides by
         the scale inside its own kernel, saving the read-modify-write pass of a separate unscale. Returns the scale
-        to hand it, or ``None`` (nothing to unscale: bf16, or some grads missing, which take the ordinary path)."""
-        half_grads = self._masters.all_half_grads()
-        if self._loss_scaler is None or half_grads is None:
+        to hand it, or ``None`` (nothing to unscale: bf16, or a layout or grads without the fast path)."""
+        checked = self._masters.finite_check_grads()
+        if self._loss_scaler is None or checked is None:
             self.unscale_grads()
             return None
         self._step_state.grads_read = True
-        self._masters.read_grads()
-        own_grads = [p.grad for p in self._masters.own_params if p.grad is not None]
-        # fp32 norms, finite unless some element is inf/NaN (|g| <= 65504, so no false overflow); one list per
-        # dtype, as a foreach kernel takes one
-        norms = [n for g in (half_grads, own_grads) if g for n in torch._foreach_norm(g, dtype=torch.float32)]
+        self._take_grads()
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for grad in checked:  # one list per dtype, as a foreach kernel takes one
+            by_dtype.setdefault(grad.dtype, []).append(grad)
+        # fp32 norms, finite unless some element is inf/NaN (|g| <= 65504, so no false overflow)
+        norms = [n for same in by_dtype.values() for n in torch._foreach_norm(same, dtype=torch.float32)]
         if norms:
             self._found_inf.copy_(torch.logical_not(torch.isfinite(torch.stack(norms).sum())))
         else:
             self._found_inf.zero_()
-        self._vote.overflow(self._found_inf)
+        vote_overflow(self._found_inf, self._run())
         return self._loss_scaler.scale
 
     def last_step_skipped_ready(self) -> bool:
@@ -266,24 +286,18 @@ class MasterWeightOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's grads (the masters' grads are rewritten at every unscale)."""
-        for param in self._masters.params:
+        for param in [*self._masters.params, *self._frozen]:
             if set_to_none:
                 param.grad = None
             elif param.grad is not None:
                 param.grad.detach_().zero_()
         self._step_state.grads_read = False
 
-    def forget_process_groups(self) -> None:
-        """Drop the process groups (destroyed at interpreter exit): the overflow and norm groups (later steps count
-        this rank alone) and a sharded optimizer's replicas (it can no longer step)."""
-        self._vote.forget()
-        self._masters.forget_group()
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
             "Adding a param group to an fp16/bf16 master-weight optimizer is not supported: its masters live in "
-            "one flat buffer built at setup. Create every param group in `configure_optimizers` (set "
-            "`requires_grad=False` on the ones you want frozen at first)."
+            "one flat buffer built at setup. Create every param group in `configure_optimizers`; parameters frozen "
+            "then (`requires_grad=False`) stay frozen for that fit, and train in a later fit once unfrozen."
         )
 
     # -- checkpoints: by model parameter ---------------------------------------------------------------------------
@@ -292,46 +306,53 @@ class MasterWeightOptimizer(Optimizer):
         """The model parameters this optimizer updates (through their masters), in its param groups' order."""
         return list(self._masters.params)
 
-    def whole_masters(self) -> list[tuple[Tensor, Tensor]]:
-        """Each model parameter with its whole fp32 master (itself when already fp32): checkpoints save and load
-        the master under the parameter's name."""
-        return self._masters.whole_masters()
+    def master_parts(self) -> dict[int, Tensor | FlatPiece]:
+        """id(model parameter) → its fp32 master as this rank holds it (whole, a DTensor shard, or a ZeRO-1
+        replica's `FlatPiece`): checkpoints save it under the parameter's name and load into it in place."""
+        return self._masters.master_parts()
 
     @torch.no_grad()
-    def load_whole_masters(self, values: dict[int, Tensor]) -> None:
-        """Set the masters from whole fp32 values by id(model parameter), then the model's parameters from them."""
-        self._masters.load_whole_masters(values)
+    def load_masters(self, values: dict[int, Tensor | FlatPiece]) -> None:
+        """Set the masters from values by id(model parameter) (whole fp32 tensors, or the parts `master_parts`
+        handed out, loaded in place), then the model's parameters from them. Collective under ZeRO-1."""
+        self._masters.load_masters(values)
 
     def state_by_param(self) -> list[tuple[Tensor, dict[str, Any]]]:
-        """Each model parameter that has optimizer state, with that state shaped like the parameter."""
+        """Each model parameter with optimizer state on this rank, with that state (element-wise values shaped like
+        the parameter, or this replica's `FlatPiece` of them under ZeRO-1)."""
         return self._masters.state_by_param(self._inner.state)
 
+    def state_part(self, param: Tensor, dtype: torch.dtype) -> Tensor | FlatPiece | None:
+        """An empty tensor for what this rank holds of an element-wise optimizer state of ``param``, for a
+        checkpoint to load into; None when it holds none."""
+        return self._masters.state_part(param, dtype)
+
     def load_state_by_param(self, states: dict[int, dict[str, Any]], param_groups: Sequence[dict[str, Any]]) -> None:
-        """Set the optimizer state from whole per-parameter states by id(model parameter) and the param groups'
-        hyper-parameters (``param_groups`` without their ``params``); parameters without a state start fresh."""
+        """Set the optimizer state from per-parameter states by id(model parameter) (whole, or the parts `state_part`
+        made) and the param groups' hyper-parameters (``param_groups`` without their ``params``); parameters
+        without a state start fresh."""
         load_state_by_tensor(self._inner, self._masters.state_of_optimized(states), param_groups)
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state plus the fp32 masters and the loss scaler (smp's fp16 checkpoint content)."""
-        self._refuse_sharded("state_dict")
         return {
             "optimizer": self._inner.state_dict(),
-            "fp32_from_fp16": [master.detach().clone() for master in self._masters.masters],
+            "fp32_from_fp16": [master.detach().clone() for _, master in self._masters.positional_masters()],
             "loss_scaler": self._loss_scaler.state_dict() if self._loss_scaler is not None else None,
             "skipped_steps": int(self._skipped_steps.item()),  # sync: checkpoints only
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a `state_dict`; every check runs before anything is overwritten."""
-        self._refuse_sharded("load_state_dict")
-        missing = {"optimizer", "fp32_from_fp16", "loss_scaler"} - state_dict.keys()
+        pairs = self._masters.positional_masters()
+        missing = {"optimizer", "loss_scaler", *(["fp32_from_fp16"] if pairs else [])} - state_dict.keys()
         if missing:
             raise ValueError(
                 f"This optimizer state has no {sorted(missing)}: it was not saved by an fp16/bf16 SMP run. "
                 "Resume with the precision the checkpoint was written with, or load weights only."
             )
-        masters = state_dict["fp32_from_fp16"]
-        own = self._masters.masters
+        masters = state_dict.get("fp32_from_fp16", [])
+        own = [master for _, master in pairs]
         if len(masters) != len(own) or any(saved.shape != m.shape for saved, m in zip(masters, own, strict=False)):
             raise ValueError(
                 f"The checkpoint holds {len(masters)} master weights with shapes "
@@ -346,21 +367,12 @@ class MasterWeightOptimizer(Optimizer):
             )
         self._inner.load_state_dict(state_dict["optimizer"])
         with torch.no_grad():
-            self._masters.load_whole_masters(
-                {id(p): m.to(self._found_inf.device) for p, m in zip(self._masters.half_params, masters, strict=True)}
+            self._masters.load_masters(
+                {id(p): m.to(self._found_inf.device) for (p, _), m in zip(pairs, masters, strict=True)}
             )
         if self._loss_scaler is not None:
             self._loss_scaler.load_state_dict(saved_scaler)
         self._skipped_steps.fill_(state_dict.get("skipped_steps", 0))
-
-    def _refuse_sharded(self, method: str) -> None:
-        if isinstance(self._masters, ShardedMasters):
-            raise ValueError(
-                f"`optimizer.{method}()` holds one rank's masters by position, which a sharded optimizer "
-                "(shard_optimizer_state=True) does not have whole. Use `trainer.save_checkpoint` / "
-                "`ckpt_path=` or `smp.save_checkpoint` / `smp.resume_from_checkpoint`: they store the optimizer state "
-                "by parameter name, which loads at any data-parallel degree, sharded or not."
-            )
 
 
 def load_state_by_tensor(
@@ -399,14 +411,8 @@ def _params_of(optimizer: Optimizer) -> list[Tensor]:
     return params
 
 
-def _single_device(params: Sequence[Tensor]) -> torch.device:
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        raise ValueError(
-            f"The optimizer's parameters live on several devices {sorted(map(str, devices))}; one rank trains on "
-            "one device. Move the model to one device before building the optimizer."
-        )
-    return devices.pop() if devices else torch.device("cpu")
+def _no_run() -> None:
+    """The topology of a one-process optimizer: none."""
 
 
 def build_loss_scaler(

@@ -9,6 +9,7 @@ BatchNorm layers stay fp32 (as Apex's O2 did): their running statistics lose too
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -23,9 +24,10 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp.grad_vote import GradientVote, clip_grad_norm_counted
+from lightning_smp.grad_vote import clip_grad_norm_counted
+from lightning_smp.master_shard import ShardedMasters, WholeMasters
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
-from lightning_smp.sharded_data_parallel import ShardedOptimizer
+from lightning_smp.sharded_data_parallel import FSDPMasters
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -48,8 +50,11 @@ class SMPPrecision(Precision):
         shard_optimizer_state: shard the fp32 masters and the optimizer state over the data-parallel replicas
             (ZeRO-1; in fp32 too, where the optimizer is then wrapped as well). The strategy must not all-reduce
             the gradients over the replicas: the optimizer reduce-scatters them.
-        sharded_clip_norm: set under sharded data parallelism (FSDP2): the module stays fp32 (FSDP2 casts for
-            compute) and every optimizer, fp32 ones too, becomes a `ShardedOptimizer` that clips to this norm.
+        sharded_parameters: the parameters are FSDP2's sharded fp32 parameters (sharded data parallelism): the
+            module stays fp32 (FSDP2 casts for compute) and every optimizer, fp32 ones too, is wrapped, over
+            `FSDPMasters`.
+        clip_norm: every optimizer clips the gradients to this global norm at every step (smp's
+            ``sdp_gradient_clipping``); every optimizer, fp32 ones too, is then wrapped.
     """
 
     def __init__(
@@ -60,7 +65,8 @@ class SMPPrecision(Precision):
         static_loss_scale: float = 1.0,
         dynamic_loss_args: dict[str, Any] | None = None,
         shard_optimizer_state: bool = False,
-        sharded_clip_norm: float | None = None,
+        sharded_parameters: bool = False,
+        clip_norm: float | None = None,
     ) -> None:
         if dtype not in _PRECISION_NAMES:
             raise ValueError(
@@ -72,10 +78,21 @@ class SMPPrecision(Precision):
         self._static_loss_scale = static_loss_scale
         self._dynamic_loss_args = dict(dynamic_loss_args or {})
         self._shard_optimizer_state = shard_optimizer_state
-        self._sharded_clip_norm = sharded_clip_norm
-        self.topology: Topology | None = None  # set by SMPStrategy before `connect`
+        self._sharded_parameters = sharded_parameters
+        self._clip_norm = clip_norm
+        self._topology: Callable[[], Topology | None] = _no_topology
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
+
+    @property
+    def topology(self) -> Topology | None:
+        """The run's layout, set by SMPStrategy before `connect`; held weakly, so that its process groups are freed
+        when the run ends (None then, and outside a run)."""
+        return self._topology()
+
+    @topology.setter
+    def topology(self, topology: Topology | None) -> None:
+        self._topology = weakref.ref(topology) if topology is not None else _no_topology
 
     @property
     def master_weight_optimizers(self) -> list[MasterWeightOptimizer]:
@@ -86,7 +103,7 @@ class SMPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.dtype is None or self._sharded_clip_norm is not None:
+        if self.dtype is None or self._sharded_parameters:
             return module
         module.to(self.dtype)
         for layer in module.modules():
@@ -111,7 +128,7 @@ class SMPPrecision(Precision):
         ``scaler_settings`` (``dynamic_loss_scale``, ``static_loss_scale``, ``dynamic_loss_args``) override the
         plugin's, as ``smp.DistributedOptimizer`` passes them.
         """
-        if self.dtype is None and not self._shards() and self._sharded_clip_norm is None:
+        if not self._wraps():
             raise ValueError(
                 "fp32 training has no master weights; use fp16=True or bf16=True (or shard_optimizer_state=True with "
                 "more than one data-parallel replica) to wrap optimizers."
@@ -123,16 +140,13 @@ class SMPPrecision(Precision):
                 static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
                 dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
             )
-        if self._sharded_clip_norm is not None:
-            assert self.topology is not None  # set by SMPStrategy.setup_environment
-            wrapped: MasterWeightOptimizer = ShardedOptimizer(
-                optimizer, loss_scaler=loss_scaler, topology=self.topology, clip_norm=self._sharded_clip_norm
-            )
-        else:
-            shards = self._shards()
-            vote = GradientVote.for_run(self.topology, sharded_over_dp=shards)
-            shard_group = self.topology.group("dp") if shards and self.topology is not None else None
-            wrapped = MasterWeightOptimizer(optimizer, loss_scaler=loss_scaler, vote=vote, shard_group=shard_group)
+        wrapped = MasterWeightOptimizer(
+            optimizer,
+            loss_scaler=loss_scaler,
+            topology=self.topology,
+            masters=self._masters(),
+            clip_norm=self._clip_norm,
+        )
         self._wrapped.append(wrapped)
         return wrapped
 
@@ -140,7 +154,7 @@ class SMPPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
     ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
-        if self.dtype is None and not self._shards() and self._sharded_clip_norm is None:
+        if not self._wraps():
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
         for config in lr_schedulers:
@@ -194,7 +208,7 @@ class SMPPrecision(Precision):
         if isinstance(optimizer, MasterWeightOptimizer):
             optimizer.clip_master_grads(clip_val)
         else:  # fp32: the norm still spans every model-parallel rank, counting replicated values once
-            clip_grad_norm_counted(self.main_params(optimizer), clip_val, group=self._norm_group())
+            clip_grad_norm_counted(self.main_params(optimizer), clip_val, topology=self.topology)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
@@ -216,13 +230,19 @@ class SMPPrecision(Precision):
 
     def _shards(self) -> bool:
         """Whether optimizers shard their masters and state: asked for, and more than one replica to shard over."""
-        return self._shard_optimizer_state and self.topology is not None and self.topology.size("dp") > 1
+        topology = self.topology
+        return self._shard_optimizer_state and topology is not None and topology.size("dp") > 1
 
-    def _norm_group(self) -> torch.distributed.ProcessGroup | None:
-        """The ranks whose grads make up one global norm: the model-parallel group (pp × tp), when there is one."""
-        if self.topology is not None and self.topology.size("mp") > 1:
-            return self.topology.group("mp")
-        return None
+    def _masters(self) -> type[FSDPMasters | ShardedMasters | WholeMasters]:
+        """Where optimizers keep their masters: FSDP2's shards, this replica's share (ZeRO-1), or all of them."""
+        if self._sharded_parameters:
+            return FSDPMasters
+        return ShardedMasters if self._shards() else WholeMasters
+
+    def _wraps(self) -> bool:
+        """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, sharded masters, or a step that
+        clips by itself."""
+        return self.dtype is not None or self._shards() or self._sharded_parameters or self._clip_norm is not None
 
     def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
         if isinstance(optimizer, MasterWeightOptimizer):
@@ -275,6 +295,10 @@ class _SkipAwareSchedulerStep:
             return
         for args, kwargs in pending:
             self._step(*args, **kwargs)
+
+
+def _no_topology() -> None:
+    """The topology outside a run: none."""
 
 
 def _keep_in_fp32(layer: nn.Module, model_dtype: torch.dtype) -> None:

@@ -202,7 +202,8 @@ class SMPStrategy(DDPStrategy):
                 static_loss_scale=self._config.static_loss_scale,
                 dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
                 shard_optimizer_state=self._config.shard_optimizer_state,
-                sharded_clip_norm=self._config.sdp_gradient_clipping if self._sharded else None,
+                sharded_parameters=self._sharded,
+                clip_norm=self._config.sdp_gradient_clipping if self._sharded else None,
             )
         return self._precision_plugin
 
@@ -605,17 +606,13 @@ class SMPStrategy(DDPStrategy):
 
     def forget_process_groups(self) -> None:
         """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,
-        `fault_tolerance.close_process_groups`), so that they are freed while Python is whole."""
+        `fault_tolerance.close_process_groups`), so that they are freed while Python is whole. The optimizers and
+        the precision plugin hold the topology weakly: dropping it here frees their groups too."""
         for module in self.model.modules() if self.model is not None else ():
             if isinstance(module, tensor_parallel.TensorParallelModule):
                 module.tp_forget_group()
             if isinstance(module, Metric):
                 module.process_group = None
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, MasterWeightOptimizer):
-                optimizer.forget_process_groups()
-        if isinstance(self.precision_plugin, SMPPrecision):
-            self.precision_plugin.topology = None
         self._sigterm.forget_vote()
         self._pipeline = None
         self._topology = None

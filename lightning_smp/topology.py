@@ -92,9 +92,13 @@ def coordinates(rank: int, order: str, *, dp: int, pp: int, tp: int) -> dict[str
     return {axis: coords[axis] for axis in ("dp", "pp", "tp")}
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Topology:
-    """This rank's view of the dp x pp x tp grid and its process groups. Create it with ``build``."""
+    """This rank's view of the dp x pp x tp grid and its process groups. Create it with ``build``.
+
+    Objects that use the groups during a run but must not keep them alive after it (the optimizer) hold a weak
+    reference: the groups are freed once the strategy drops its topology (`fault_tolerance.close_process_groups`).
+    """
 
     dp: int
     """Data-parallel degree: number of model replicas."""

@@ -61,7 +61,9 @@ def single_device_run(
         model.half()
         params = list(model.parameters())
         masters = [param.detach().float().clone() for param in params]
-        optimizer = type(optimizer)(masters, **optimizer.defaults)
+        master_of = {id(param): master for param, master in zip(params, masters, strict=True)}
+        groups = [{**group, "params": [master_of[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+        optimizer = type(optimizer)(groups)  # the model's param groups (weight decay, frozen ones) over the masters
         scale, skipped = _LossScale(init_scale), 0
     dataset = model.train_dataloader().dataset
     batch_size = model.train_dataloader().batch_size

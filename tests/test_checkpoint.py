@@ -6,6 +6,7 @@ runs, fails a save, and resumes the GPT under tp=2 and pp=2; a one-rank job resu
 checkpoint-level round trip of hand-made tensor-parallel shards (packed q/k/v blocks, Adam moments) runs inside them.
 """
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -20,8 +21,11 @@ from torch.optim.lr_scheduler import StepLR
 
 from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
 from lightning_smp.checkpoint import CheckpointError, loading, storage
+from lightning_smp.checkpoint.dcp_adapter import flat_range_boxes, stored
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
+from lightning_smp.master_shard import FlatPiece
 from lightning_smp.placement import TPShard, place_tp_shard
+from lightning_smp.tensor_parallel.shard import ShardSpec, slice_shard
 from tests.distributed import run_distributed
 from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
@@ -93,7 +97,7 @@ def _fail_a_save(rank, trainer, directory):
     """Overwrite last.ckpt with different weights while rank 1's write fails; last.ckpt must stay as it was."""
     for optimizer in trainer.strategy.optimizers:
         with torch.no_grad():
-            for _, master in optimizer.whole_masters():
+            for master in optimizer.master_params():
                 master.mul_(2.0)  # what a successful save would write
     original = FileSystemWriter.write_data
     if rank == 1:
@@ -511,3 +515,41 @@ def test_names_the_checkpoint_lacks_or_has_extra_are_listed(tmp_path):
     problems += loading._unexpected_problems(metadata, set(targets))
     assert "this model has 2 entries the checkpoint lacks: net.2.weight, net.2.bias" in problems[0]
     assert "it has 1 entries this model lacks: head.weight" in problems[1]
+
+
+# -- what a rank writes: flat pieces and tensor-parallel shards as chunks of the global tensor (pure) ---------------
+
+
+def test_a_flat_range_is_contiguous_boxes_of_the_tensor():
+    assert flat_range_boxes(torch.Size([3, 4]), 2, 9) == [
+        (torch.Size([0, 2]), torch.Size([1, 2]), 0),
+        (torch.Size([1, 0]), torch.Size([1, 4]), 2),
+        (torch.Size([2, 0]), torch.Size([1, 3]), 6),
+    ]
+    for shape in ([7], [3, 5], [2, 3, 4], []):
+        whole = torch.arange(math.prod(shape)).view(shape)
+        for start in range(whole.numel() + 1):
+            for end in range(start, whole.numel() + 1):
+                covered = []
+                for offsets, sizes, at in flat_range_boxes(whole.shape, start, end - start):
+                    box = whole[tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))]
+                    assert box.flatten().tolist() == list(range(start + at, start + at + box.numel()))
+                    covered += box.flatten().tolist()
+                assert covered == list(range(start, end))
+
+
+@pytest.mark.parametrize("shard", [None, TPShard(dim=0, index=1, parts=2, blocks=3), TPShard(dim=1, index=0, parts=2)])
+def test_a_replicas_flat_piece_of_a_tensor_parallel_shard_is_chunks_of_the_global_tensor(shard):
+    whole = torch.arange(12 * 6.0).view(12, 6)
+    local = whole if shard is None else slice_shard(whole, ShardSpec(shard.dim, shard.blocks), shard.index, 2)
+    for start, end in ((0, local.numel()), (5, 17), (13, 14), (4, 4)):
+        piece = FlatPiece(local.shape, start, local.flatten()[start:end].clone())
+        chunks = stored(piece, shard)
+        assert chunks.size() == whole.shape
+        seen = []
+        for item in chunks.__create_write_items__("w", None):
+            offsets, sizes = item.index.offset, item.tensor_data.chunk.sizes
+            region = tuple(slice(o, o + s) for o, s in zip(offsets, sizes, strict=True))
+            assert torch.equal(chunks.chunk(offsets), whole[region])  # each chunk holds the global tensor's values
+            seen += chunks.chunk(offsets).flatten().tolist()
+        assert sorted(seen) == sorted(piece.flat.tolist())  # every element of the piece, once

@@ -2,7 +2,8 @@
 
 Every layout runs twice in one launch, sharded and not, on the same data: losses, skipped steps and the global
 gradient norm must agree (fp32 to 1e-5, fp16 to 2e-2); the sharded rank must hold about half the masters and
-optimizer state; and a sharded checkpoint must resume unsharded, at another dp degree, and consolidate.
+optimizer state, and hand a checkpoint only its share; and a sharded checkpoint must resume unsharded, at another
+dp degree, and consolidate.
 """
 
 import math
@@ -15,8 +16,9 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
 from lightning_smp import SMPStrategy
-from lightning_smp.checkpoint import consolidate_checkpoint
+from lightning_smp.checkpoint import consolidate_checkpoint, model_state_dict, optimizer_state_dict
 from lightning_smp.grad_vote import clip_grad_norm_counted
+from lightning_smp.master_shard import FlatPiece
 from lightning_smp.optimizer import MasterWeightOptimizer
 from tests.distributed import run_distributed
 from tests.models import TinyRegressor, quiet_trainer
@@ -45,9 +47,7 @@ class _Record(Callback):
         if isinstance(optimizer, MasterWeightOptimizer):
             norm = optimizer.clip_master_grads(math.inf)
         else:
-            topology = trainer.strategy.topology
-            group = topology.group("mp") if topology.size("mp") > 1 else None
-            norm = clip_grad_norm_counted(list(pl_module.parameters()), math.inf, group=group)
+            norm = clip_grad_norm_counted(list(pl_module.parameters()), math.inf, topology=trainer.strategy.topology)
         self.norms.append(norm.item())
 
 
@@ -57,6 +57,15 @@ def _state_bytes(optimizer: MasterWeightOptimizer) -> int:
         value for state in optimizer.state.values() for value in state.values() if isinstance(value, Tensor)
     ]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _checkpoint_bytes(trainer) -> int:
+    """Bytes of the tensors this rank hands a checkpoint save: its model weights (masters) and optimizer state."""
+    module, optimizers = trainer.lightning_module, trainer.strategy.optimizers
+    values = list(model_state_dict(module, optimizers).values())
+    values += [v for state in optimizer_state_dict(optimizers[0], module)["state"].values() for v in state.values()]
+    held = [value.flat if isinstance(value, FlatPiece) else value for value in values]
+    return sum(t.numel() * t.element_size() for t in held if isinstance(t, Tensor))
 
 
 def _fit(
@@ -85,6 +94,7 @@ def _fit(
         "norms": record.norms,
         "skipped": optimizer.skipped_steps.item() if wrapped else None,
         "state_bytes": _state_bytes(optimizer) if wrapped else None,
+        "checkpoint_bytes": _checkpoint_bytes(trainer),
         "state_dict_error": _error_of(optimizer.state_dict),
     }
 
@@ -181,6 +191,12 @@ def test_dp2_sharded_accumulates_gradients_as_the_unsharded_run(dp2, name, rel):
 def test_a_sharded_rank_holds_about_half_the_masters_and_optimizer_state(dp2):
     for rank in dp2:
         assert rank["fp16_sharded"]["state_bytes"] <= 0.52 * rank["fp16"]["state_bytes"]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_replica_saves_its_share_of_the_masters_and_optimizer_state_gathering_nothing(dp2):
+    for rank in dp2:
+        assert rank["fp16_sharded"]["checkpoint_bytes"] <= 0.55 * rank["fp16"]["checkpoint_bytes"]
 
 
 @pytest.mark.timeout(600)

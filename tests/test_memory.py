@@ -131,18 +131,12 @@ def test_sharded_data_parallel_keeps_1_over_sdp_of_fp32_parameters_grads_and_ada
     assert "fp32 shards of 1/sdp" in str(report) and "16-bit parameters and gradients" not in str(report)
 
 
-def test_sharded_data_parallel_keeps_modules_below_the_threshold_whole():
+def test_sharded_data_parallel_keeps_parameters_below_the_threshold_whole():
     model = _gpt()
-    threshold = WIDTH * WIDTH + 1  # below: the LayerNorms and every bias; above: the embedding, the attention weights
+    threshold = WIDTH * WIDTH + 1  # below: the LayerNorms, every bias, out_proj; above: the embedding, in_proj
     config = {"fp16": True, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": threshold}
     (rank,) = estimate_memory(model, config=config, world_size=2).ranks
-    whole = [
-        p
-        for m in model.modules()
-        if (own := list(m.parameters(recurse=False))) and all(p.numel() < threshold for p in own)
-        for p in own
-    ]
-    kept = sum(p.numel() for p in whole)
+    kept = sum(p.numel() for p in model.parameters() if p.numel() < threshold)
     assert 0 < kept < _numel(model)
     assert rank.parameters == 4 * kept + 4 * (_numel(model) - kept) // 2
     everything = estimate_memory(model, config={**config, "sdp_param_persistence_threshold": 10**9}, world_size=2)

@@ -1,4 +1,4 @@
-"""Tier 1 tests of `MasterWeightOptimizer`: single process, CPU.
+"""Tests of `MasterWeightOptimizer`: tier 1 (single process, CPU), then frozen parameters under every layout.
 
 Every numerical test compares the wrapper with a plain fp32 optimizer that steps fp32 copies of the parameters
 using the unscaled grads of the same fp16 forward/backward, so only the wrapper's bookkeeping is under test.
@@ -6,20 +6,30 @@ using the unscaled grads of the same fp16 forward/backward, so only the wrapper'
 
 import io
 import math
+import os
 import sys
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import SGD, Adadelta, AdamW, Optimizer
 from torch.optim.lr_scheduler import StepLR
+from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_smp import SMPStrategy
+from lightning_smp.checkpoint.names import state_by_param
 from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import mark_norm_duplicate
+from lightning_smp.topology import build as build_topology
 from tests.distributed import init_gloo, run_distributed
+from tests.gpt import TinyGPT, token_batches
+from tests.models import quiet_trainer
+from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, single_device_run
 
 SCALE = 2.0**10
 OptimizerFactory = Callable[[Iterator[Tensor] | list[Tensor]], Optimizer]
@@ -371,6 +381,37 @@ def test_stale_grad_of_an_unused_param_is_not_in_the_norm() -> None:
     torch.testing.assert_close(wrapper.clip_master_grads(1e6), expected, rtol=1e-6, atol=0)
 
 
+# ---------------------------------------------------------------- frozen parameters
+
+
+def test_a_frozen_param_gets_no_master_and_stays_bit_identical_in_its_own_group() -> None:
+    model = _model()
+    model[2].weight.requires_grad_(False)
+    frozen = model[2].weight.detach().clone()
+    rest = [model[0].weight, model[0].bias, model[2].bias]
+    inner = AdamW([{"params": [model[2].weight]}, {"params": rest}], lr=1e-2, weight_decay=0.1)
+    wrapper = MasterWeightOptimizer(inner, loss_scaler=StaticLossScaler(SCALE))
+    assert wrapper.param_groups[0]["params"] == [] and len(wrapper.master_params()) == 3
+    assert all(p is not model[2].weight for p in wrapper.model_params())
+    before = model[0].weight.detach().clone()
+    for step in range(3):
+        wrapper.zero_grad()
+        _backward(model, wrapper, step)
+        wrapper.step()
+    assert torch.equal(model[2].weight, frozen) and not torch.equal(model[0].weight, before)
+    assert len(wrapper.state) == 3
+
+
+def test_a_param_unfrozen_after_wrapping_is_refused_with_a_remedy() -> None:
+    model = _model()
+    model[2].weight.requires_grad_(False)
+    wrapper = MasterWeightOptimizer(AdamW(model.parameters(), lr=1e-2), loss_scaler=StaticLossScaler(SCALE))
+    model[2].weight.requires_grad_(True)
+    _backward(model, wrapper, 0)
+    with pytest.raises(ValueError, match=r"did not require grad when the optimizer was wrapped.*before `trainer.fit`"):
+        wrapper.step()
+
+
 # ---------------------------------------------------------------- bf16
 
 
@@ -648,8 +689,9 @@ def test_the_fused_fast_path_equals_the_explicit_unscale_path(delayed_shift: int
 
 
 def _clip_half_of_a_vector(rank: int) -> list[float]:
-    """Rank r holds half r of a sharded vector plus a replicated scalar (a duplicate on rank 1)."""
+    """Rank r holds half r of a tensor-parallel vector plus a replicated scalar (a duplicate on rank 1)."""
     init_gloo()
+    topology = build_topology(dp=1, pp=1, tp=2, order="DPT", device_type="cpu")
     full = torch.arange(1.0, 9.0)
     shard = nn.Parameter(torch.zeros(4))
     shard.grad = full[4 * rank : 4 * rank + 4].clone()
@@ -657,7 +699,7 @@ def _clip_half_of_a_vector(rank: int) -> list[float]:
     replicated.grad = torch.tensor([10.0])
     if rank == 1:
         mark_norm_duplicate(replicated, axis="tp")
-    norm = clip_grad_norm_counted([shard, replicated], 1.0, group=torch.distributed.group.WORLD)
+    norm = clip_grad_norm_counted([shard, replicated], 1.0, topology=topology)
     return [norm.item(), torch.linalg.vector_norm(shard.grad).item()]
 
 
@@ -669,3 +711,144 @@ def test_fp32_clipping_takes_the_norm_over_every_rank_counting_replicas_once() -
         assert norm == pytest.approx(expected, rel=1e-6)
     clipped = math.sqrt(sum(shard_norm**2 for _, shard_norm in results))  # the sharded vector after clipping
     assert clipped == pytest.approx(math.sqrt(sum(v * v for v in range(1, 9))) / expected, rel=1e-5)
+
+
+# ---------------------------------------------------------------- frozen parameters under every layout
+
+FROZEN_STEPS = 6
+FROZEN_FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**18}}  # the first steps overflow
+ZERO1 = {"shard_optimizer_state": True}
+SDP2 = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 1e9}
+
+
+class _FrozenPositionGPT(TinyGPT):
+    """The tiny GPT with its position embedding frozen, yet handed to AdamW(weight_decay=0.1) as users do: with
+    every other parameter, or (``own_group``) in a param group of its own."""
+
+    def __init__(self, batch_size: int = 8, *, own_group: bool = False) -> None:
+        super().__init__()
+        self.batch_size, self.own_group = batch_size, own_group
+
+    def configure_model(self) -> None:
+        if self.blocks is None:  # frozen when built; a later fit may find it unfrozen
+            super().configure_model()
+            self.pos.weight.requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)
+
+    def configure_optimizers(self):
+        if not self.own_group:
+            return AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        named = dict(self.named_parameters())  # a pipeline stage holds its own part
+        frozen = [named.pop("pos.weight")] if "pos.weight" in named else []
+        return AdamW([{"params": frozen}, {"params": list(named.values())}], lr=1e-2, weight_decay=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(TensorDataset(*token_batches(0, 64)), batch_size=self.batch_size)
+
+
+def _built_frozen_gpt() -> _FrozenPositionGPT:
+    model = _FrozenPositionGPT()
+    model.configure_model()
+    return model
+
+
+def _frozen_weight(model: nn.Module) -> Tensor | None:
+    """The frozen weight as this rank holds it (a copy); None on a pipeline stage that does not hold it."""
+    weight = dict(model.named_parameters()).get("pos.weight")
+    if weight is None:
+        return None
+    return (weight.to_local() if isinstance(weight, DTensor) else weight).detach().clone()
+
+
+def _fit_frozen(strategy_kwargs: dict, model: _FrozenPositionGPT | None = None, *, own_group: bool = False) -> dict:
+    """One fit: every step's loss (the last stage's, on every rank), the frozen weight as this rank holds it before
+    the first step and after the last."""
+    model = model or _FrozenPositionGPT(own_group=own_group)
+    held: dict[str, Tensor] = {}
+    losses: list[float] = []
+
+    class _Record(Callback):
+        def on_train_start(self, trainer, pl_module):
+            held["before"] = _frozen_weight(pl_module)
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(outputs["loss"].item())
+
+    strategy, devices = SMPStrategy(**strategy_kwargs), int(os.environ["WORLD_SIZE"])
+    trainer = quiet_trainer(strategy, devices=devices, max_steps=FROZEN_STEPS, callbacks=[_Record()])
+    trainer.fit(model)
+    optimizer = trainer.strategy.optimizers[0]
+    after, frozen = _frozen_weight(model), dict(model.named_parameters()).get("pos.weight")
+    # the parameters with a master (wrapped optimizers) or with optimizer state (any)
+    kept = optimizer.model_params() if isinstance(optimizer, MasterWeightOptimizer) else []
+    kept += [param for param, _ in state_by_param(optimizer)]
+    return {
+        "losses": losses,
+        "dp": trainer.strategy.topology.rank("dp"),
+        "unchanged": after is None or torch.equal(held["before"], after),
+        "trains_frozen": any(p is frozen for p in kept),
+        "skipped": getattr(optimizer, "skipped_steps", torch.zeros(())).item(),
+        "scale": getattr(optimizer, "loss_scale", None),
+        "model": model,
+    }
+
+
+def _frozen_two_ranks(rank: int) -> dict:
+    layouts = {
+        "dp2_zero1": ZERO1,
+        "dp2_zero1_fp16": {**ZERO1, **FROZEN_FP16},
+        "sdp2": SDP2,
+        "tp2": {"tensor_parallel_degree": 2},
+        "pp2": {"pipeline_parallel_degree": 2, "microbatches": 2},
+    }
+    runs = {name: _fit_frozen(kwargs) for name, kwargs in layouts.items()}
+    runs["dp2_zero1_fp16_own_group"] = _fit_frozen({**ZERO1, **FROZEN_FP16}, own_group=True)
+    # the same model unfrozen between fits: the next fit trains it (under ZeRO-1: it gets a share of the masters)
+    model = runs["dp2_zero1"]["model"]
+    model.pos.weight.requires_grad_(True)
+    runs["unfrozen"] = _fit_frozen(ZERO1, model)
+    return {name: {k: v for k, v in run.items() if k != "model"} for name, run in runs.items()}
+
+
+def _frozen_one_rank(rank: int) -> dict:
+    runs = {"one": _fit_frozen({}), "one_fp16": _fit_frozen(FROZEN_FP16)}
+    return {name: {k: v for k, v in run.items() if k != "model"} for name, run in runs.items()}
+
+
+def _frozen_four_ranks(rank: int) -> dict:
+    runs = {"sdp2tp2": _fit_frozen({**SDP2, "tensor_parallel_degree": 2})}
+    return {name: {k: v for k, v in run.items() if k != "model"} for name, run in runs.items()}
+
+
+def _loss(model, batch, step):
+    return model.loss(batch)
+
+
+@pytest.mark.timeout(900)
+def test_a_frozen_param_stays_bit_identical_and_the_rest_trains_as_on_one_device_under_every_layout() -> None:
+    ranks = run_distributed(_frozen_two_ranks, 2, timeout=600) + run_distributed(_frozen_four_ranks, 4, timeout=400)
+    ranks += run_distributed(_frozen_one_rank, 1, timeout=200)
+    references = {
+        (replicas, fp16): single_device_run(
+            _built_frozen_gpt, _loss, steps=FROZEN_STEPS, replicas=replicas, fp16=fp16, init_scale=2.0**18
+        )
+        for replicas in (1, 2)
+        for fp16 in (False, True)
+    }
+    expected = {"dp2_zero1": (2, False), "dp2_zero1_fp16": (2, True), "sdp2": (2, False), "tp2": (1, False)}
+    expected |= {"pp2": (1, False), "sdp2tp2": (2, False), "one": (1, False), "one_fp16": (1, True)}
+    expected |= {"dp2_zero1_fp16_own_group": (2, True)}
+    for name, (replicas, fp16) in expected.items():
+        runs = [rank[name] for rank in ranks if name in rank]
+        for run in runs:
+            assert run["unchanged"] and not run["trains_frozen"], name
+        reference = references[replicas, fp16]
+        losses = mean_losses(runs, replica="dp", steps=FROZEN_STEPS)
+        assert losses == pytest.approx(reference["losses"], rel=FP16_REL if fp16 else FP32_REL), name
+        if fp16:
+            assert_same_overflow(runs[0], reference)
+            assert reference["skipped"] >= 1
+    for rank in ranks[:2]:
+        assert rank["unfrozen"]["trains_frozen"] and not rank["unfrozen"]["unchanged"]

@@ -1,6 +1,9 @@
 """Sharded data parallelism (FSDP2) against the same run without sharding: losses, skipped steps, clip norms, the
-bytes of model state each rank holds, and the errors a user can cause."""
+bytes of model state each rank holds, and the errors a user can cause. Every sdp setting at its default (smp's: small
+parameters kept whole, every step clipped to norm 1.0) on a GPT of torch transformer layers and on a Hugging Face
+Llama, against data parallelism clipping to the same norm."""
 
+import functools
 import os
 import subprocess
 import sys
@@ -10,26 +13,32 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
-from lightning_smp import SMPStrategy, consolidate_checkpoint
+from lightning_smp import SMPStrategy, consolidate_checkpoint, smp
 from lightning_smp.config import SMPConfig
 from tests.distributed import init_gloo, launch_once, run_distributed
-from tests.gpt import TinyGPT, token_batches
+from tests.gpt import VOCAB, TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
-from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process
+from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process, single_device_run
 
 STEPS = 10
 CLIP = 0.5
 FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**18, "scale_window": 4}}
 SHARDED = {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": CLIP}
+SDP_DEFAULT_CLIP = SMPConfig().sdp_gradient_clipping  # smp's 1.0: every sdp step clips to it
+INIT_SCALE = 2.0**18
+FP16_AS_ONE_DEVICE = {"fp16": True, "dynamic_loss_args": {"init_scale": INIT_SCALE}}  # tests.parity's scale rule
 
 
 class _Recorded:
     """Records each step's loss and, when the optimizer is fp16/sharded-aware, the global norm it clips by."""
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        if gradient_clip_val is None:
+            return
         if hasattr(optimizer, "clip_master_grads"):
             self.norms.append(optimizer.clip_master_grads(gradient_clip_val).item())
         else:
@@ -44,7 +53,9 @@ class _Regressor(_Recorded, TinyRegressor):
         self.norms: list[float] = []
 
 
-class _GPT(_Recorded, TinyGPT):
+class _OnTokens(_Recorded):
+    """Trains ``self.loss`` on fixed random tokens with AdamW, recording each step's loss."""
+
     def __init__(self, batch_size: int) -> None:
         super().__init__()
         self.batch_size = batch_size
@@ -65,6 +76,31 @@ class _GPT(_Recorded, TinyGPT):
         )
 
 
+class _GPT(_OnTokens, TinyGPT):
+    pass
+
+
+class _Llama(_OnTokens, pl.LightningModule):
+    """A tiny Hugging Face Llama (grouped-query attention, its own tensor-parallel plan)."""
+
+    def configure_model(self) -> None:
+        if hasattr(self, "llama"):
+            return
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            self.llama = transformers.LlamaForCausalLM(config)
+
+    def loss(self, batch):
+        ids, target = batch
+        return F.cross_entropy(self.llama(ids).logits.float().flatten(0, 1), target.flatten())
+
+
 def _local(tensor):
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -80,15 +116,15 @@ def _state_bytes(model, optimizer) -> int:
     return sum(_local(t).numel() * _local(t).element_size() for t in tensors)
 
 
-def _trainer(strategy_kwargs: dict, **kwargs) -> pl.Trainer:
+def _trainer(strategy_kwargs: dict, clip: float | None = CLIP, **kwargs) -> pl.Trainer:
     devices = int(os.environ["WORLD_SIZE"])
     return quiet_trainer(
-        SMPStrategy(**strategy_kwargs), devices=devices, gradient_clip_val=CLIP, num_sanity_val_steps=0, **kwargs
+        SMPStrategy(**strategy_kwargs), devices=devices, gradient_clip_val=clip, num_sanity_val_steps=0, **kwargs
     )
 
 
-def _fit(model, strategy_kwargs: dict, *, validate: bool = False) -> dict:
-    trainer = _trainer(strategy_kwargs, max_steps=STEPS)
+def _fit(model, strategy_kwargs: dict, *, validate: bool = False, clip: float | None = CLIP) -> dict:
+    trainer = _trainer(strategy_kwargs, clip, max_steps=STEPS)
     trainer.fit(model)
     # trainer.validate sets the trained (sharded) model up again, for evaluation
     val_loss = trainer.validate(model, verbose=False)[0]["val_loss"] if validate else None
@@ -115,6 +151,19 @@ def _data_parallel_runs(rank: int) -> dict:
     for name, kwargs in layouts.items():
         torch.manual_seed(0)
         runs[name] = _fit(_Regressor(batch_size=8), kwargs, validate=True)
+    runs |= _at_the_defaults({})
+    return runs
+
+
+def _at_the_defaults(degrees: dict) -> dict:
+    """The GPT (fp32 and fp16) and the Llama with every sdp setting at its default, and without sdp clipping to the
+    same norm."""
+    runs = {}
+    for model, precision, suffix in ((_GPT, {}, ""), (_GPT, FP16_AS_ONE_DEVICE, "_fp16"), (_Llama, {}, "")):
+        name = model.__name__.lstrip("_").lower() + suffix
+        runs[f"dp_{name}"] = _fit(model(batch_size=4), {**degrees, **precision}, clip=SDP_DEFAULT_CLIP)
+        sharded = {**degrees, **precision, "sharded_data_parallel_degree": 2}
+        runs[f"sdp_{name}"] = _fit(model(batch_size=4), sharded, clip=None)
     return runs
 
 
@@ -127,11 +176,12 @@ def _four_rank_runs(rank: int) -> dict:
     layouts = {"dp2tp2": tp, "sdp2tp2": {**tp, **SHARDED}, "dp2tp2_fp16": {**tp, **FP16}}
     layouts["sdp2tp2_fp16"] = {**tp, **FP16, **SHARDED}
     runs = {name: _fit(_GPT(batch_size=4), kwargs) for name, kwargs in layouts.items()}
-    # net.2 (32 x 2 + 2 elements) stays whole under a threshold of 100, net.0 (8 x 32 + 32) is sharded
+    # under a threshold of 100 elements net.0.weight (8 x 32) is sharded, net.0.bias (32) and net.2 (32 x 2, 2) whole
     hybrid = {**FP16, **SHARDED, "sdp_param_persistence_threshold": 100}
     for name, kwargs in {"dp4_fp16": FP16, "hsdp_fp16": hybrid}.items():
         torch.manual_seed(0)
         runs[name] = _fit(_Regressor(batch_size=4), kwargs)
+    runs |= _at_the_defaults(tp)
     return runs
 
 
@@ -151,8 +201,9 @@ def _assert_same_training(ranks: list[dict], plain: str, sharded: str, *, fp16: 
             assert rank[sharded]["val_loss"] == pytest.approx(rank[plain]["val_loss"], rel=rel)
         if fp16:
             assert_same_overflow(rank[sharded], rank[plain])
-            assert rank[sharded]["norms"] == pytest.approx(rank[plain]["norms"], rel=FP16_REL)
             assert rank[sharded]["skipped"] >= 1  # the comparison covers the overflow path
+        if fp16 and rank[sharded]["norms"]:  # both clipped through Lightning (not the sdp step alone)
+            assert rank[sharded]["norms"] == pytest.approx(rank[plain]["norms"], rel=FP16_REL)
             assert max(rank[plain]["norms"]) > CLIP  # and the clipping path
 
 
@@ -184,10 +235,55 @@ def test_sdp2_holds_about_half_the_model_states_of_dp2():
 
 
 @pytest.mark.timeout(600)
-def test_two_replicas_of_sdp2_keep_small_modules_whole_and_match_dp4():
+@pytest.mark.parametrize(("model", "fp16"), [("gpt", False), ("gpt", True), ("llama", False)])
+def test_sdp2_at_its_defaults_matches_dp2_clipping_to_the_same_norm(model, fp16):
+    suffix = "_fp16" if fp16 else ""
+    _assert_same_training(_launch(2), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16)
+
+
+@functools.cache
+def _one_device_gpt(fp16: bool) -> dict:
+    """The GPT in one process on the global batch of two replicas, clipping every step to smp's sdp norm."""
+
+    def built() -> _GPT:
+        model = _GPT(batch_size=4)
+        model.configure_model()
+        return model
+
+    return single_device_run(
+        built, lambda model, batch, step: model.loss(batch), steps=STEPS, replicas=2, fp16=fp16,
+        init_scale=INIT_SCALE, clip_norm=SDP_DEFAULT_CLIP,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("world", "fp16"), [(2, False), (2, True), (4, False), (4, True)])
+def test_sdp_at_its_defaults_on_a_gpt_of_torch_layers_trains_as_one_device(world, fp16):
+    """sdp2 (world 2) and sdp2 x tp2 (world 4, the head tied to the embedding) with every sdp setting at its default,
+    against the single-process run clipping to the same norm: fp32 to 1e-5, fp16 with the same skipped steps."""
+    run = "sdp_gpt_fp16" if fp16 else "sdp_gpt"
+    ranks, reference = _launch(world), _one_device_gpt(fp16)
+    losses = mean_losses([rank[run] for rank in ranks], steps=STEPS)
+    assert losses == pytest.approx(reference["losses"], rel=FP16_REL if fp16 else FP32_REL)
+    if fp16:
+        assert reference["skipped"] >= 1  # the comparison covers the overflow path
+        for rank in ranks:
+            assert_same_overflow(rank[run], reference)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(("model", "fp16"), [("gpt", False), ("gpt", True), ("llama", False)])
+def test_sdp2_tp2_at_its_defaults_matches_dp2_tp2_clipping_to_the_same_norm(model, fp16):
+    suffix = "_fp16" if fp16 else ""
+    _assert_same_training(_launch(4), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16)
+
+
+@pytest.mark.timeout(600)
+def test_two_replicas_of_sdp2_keep_small_parameters_whole_and_match_dp4():
     ranks = _launch(4)
     _assert_same_training(ranks, "dp4_fp16", "hsdp_fp16", fp16=True)
-    assert all(rank["hsdp_fp16"]["whole"] == ["net.2.bias", "net.2.weight"] for rank in ranks)
+    # each parameter below the threshold (100 elements) whole, in its unit: net.0's bias but not its weight
+    assert all(rank["hsdp_fp16"]["whole"] == ["net.0.bias", "net.2.bias", "net.2.weight"] for rank in ranks)
 
 
 @pytest.mark.timeout(600)

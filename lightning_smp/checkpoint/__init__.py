@@ -30,7 +30,8 @@ A checkpoint is a directory (Lightning's sharded-checkpoint convention: ``meta.p
 
 Entries: ``model/<name>`` (the module's ``state_dict`` under global names, parameters in fp32: the master
 weights of an fp16/bf16 run), ``optim/<i>/state/<name>/<key>`` (optimizer ``i``'s state by parameter name, shaped
-like the parameter; a sharded optimizer's replicas gather it whole, so it loads at any data-parallel degree) and
+like the parameter; a ZeRO-1 replica writes its flat share of a master or a state as chunks, gathering nothing,
+and it loads at any data-parallel degree) and
 ``rng/<rank>`` (each rank's random generators).
 """
 

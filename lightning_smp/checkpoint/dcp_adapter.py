@@ -1,16 +1,19 @@
-"""The adapter to torch.distributed.checkpoint (DCP): tensor-parallel shards as chunks of the global tensor.
+"""The adapter to torch.distributed.checkpoint (DCP): what a rank holds of a tensor as chunks of the global tensor.
 
-Owns what DCP is handed for each entry (a tensor, or this rank's chunks of a tensor-parallel one) and our save and
-load planners, which look those chunks up. Not owned: which entries a checkpoint has (`saving.py`, `loading.py`)
-or which piece a rank holds (`placement.py`). DCP reads any chunk layout into any other, which is
-resharding; describing our shards as chunks (packed q/k/v blocks included) gets that without DTensor. The
-DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are, except those of a tensor-parallel piece,
-whose slices become chunks of the global tensor too. Also owns the writer that reports a save's progress.
+Owns what DCP is handed for each entry (a tensor, or this rank's chunks of it: a tensor-parallel shard, a ZeRO-1
+replica's flat piece of a master or of its optimizer state, or both) and our save and load planners, which look
+those chunks up. Not owned: which entries a checkpoint has (`saving.py`, `loading.py`), which piece a rank holds
+(`placement.py`, `master_shard.py`). DCP reads any chunk layout into any other, which is resharding; describing
+our pieces as chunks (packed q/k/v blocks, flat ranges included) gets that without DTensor and without a rank ever
+gathering a whole tensor. The DTensor shards of sharded data parallelism (FSDP2) go to DCP as they are, except those
+of a tensor-parallel piece, whose slices become chunks of the global tensor too. Also owns the writer that reports a
+save's progress.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -30,14 +33,16 @@ from torch.distributed.tensor import DTensor
 from torch.futures import Future
 
 from lightning_smp.checkpoint.verification import CheckpointError
+from lightning_smp.master_shard import FlatPiece
 from lightning_smp.placement import TPShard
 from lightning_smp.progress import Progress
 
 __all__ = [
+    "Chunks",
     "LoadPlanner",
     "ReportingWriter",
     "SavePlanner",
-    "ShardChunks",
+    "flat_range_boxes",
     "global_size",
     "state_target",
     "stored",
@@ -45,37 +50,24 @@ __all__ = [
 ]
 
 
-class ShardChunks:
-    """This rank's shard of a tensor-parallel tensor, seen by DCP as chunks of the global tensor.
+class Chunks:
+    """What this rank holds of a tensor, seen by DCP as chunks of the global tensor (views into ``local``).
 
-    A `TPShard` splits each of ``blocks`` equal blocks along ``dim`` into ``parts`` pieces and keeps piece
-    ``index`` of every block, so the local tensor holds ``blocks`` chunks of the global one (one for a plain
-    column/row split, three for a packed q/k/v weight). Under sharded data parallelism the tensor-parallel piece is
-    a DTensor of which this rank holds one slice (FSDP2's rows); the chunks are then that slice's parts of the
-    global tensor. DCP asks objects for their chunks through the methods DTensor implements
-    (``__create_write_items__``, ``__create_chunk_list__``); our planners look the chunks up.
+    ``local`` is a tensor-parallel shard (a `TPShard` keeps piece ``index`` of ``parts`` of each of ``blocks`` equal
+    blocks along ``dim``: one chunk for a plain column/row split, three for a packed q/k/v weight; under sharded data
+    parallelism the piece is a DTensor of which this rank holds one slice, FSDP2's rows, and the chunks are that
+    slice's parts), or a ZeRO-1 replica's `FlatPiece` of a tensor (up to one chunk per dim: a flat range of a
+    row-major tensor is a partial row, whole rows, a partial row), or a flat piece of a tensor-parallel shard. DCP
+    asks objects for their chunks through the methods DTensor implements (``__create_write_items__``,
+    ``__create_chunk_list__``); our planners look the chunks up. A rank holding nothing of a tensor has no chunks.
     """
 
-    def __init__(self, local: Tensor, shard: TPShard) -> None:
+    def __init__(self, local: Tensor | FlatPiece, size: torch.Size, chunks: dict[torch.Size, Tensor]) -> None:
         self.local = local
-        piece_shape, data, start = local.shape, local, [0] * local.dim()
-        if isinstance(local, DTensor):  # this rank's slice of the tensor-parallel piece
-            (held,) = local.__create_chunk_list__()
-            data, start = local.to_local(), list(held.offsets)
-        size = list(piece_shape)
-        size[shard.dim] *= shard.parts
-        self._size = torch.Size(size)
-        self._properties = TensorProperties.create_from_tensor(data)
-        piece = piece_shape[shard.dim] // shard.blocks  # the piece's rows of one block
-        first, count = start[shard.dim], data.shape[shard.dim]  # the rows of the piece `data` holds
-        self._chunks: dict[torch.Size, Tensor] = {}
-        for block in range(shard.blocks):
-            begin, end = max(first, block * piece), min(first + count, (block + 1) * piece)
-            if begin >= end:
-                continue  # none of this block's rows are in this rank's slice (FSDP2 may give a rank none)
-            offsets = list(start)
-            offsets[shard.dim] = block * piece * shard.parts + shard.index * piece + (begin - block * piece)
-            self._chunks[torch.Size(offsets)] = data.narrow(shard.dim, begin - first, end - begin)
+        self._size = size
+        self._chunks = chunks
+        held = local.flat if isinstance(local, FlatPiece) else local
+        self._properties = TensorProperties.create_from_tensor(held.to_local() if isinstance(held, DTensor) else held)
 
     def size(self) -> torch.Size:
         return self._size
@@ -112,7 +104,7 @@ class SavePlanner(DefaultSavePlanner):
 
     def lookup_object(self, index: MetadataIndex) -> Any:
         value = self.state_dict.get(index.fqn)
-        if isinstance(value, ShardChunks):
+        if isinstance(value, Chunks):
             return value.chunk(index.offset)
         return super().lookup_object(index)
 
@@ -155,7 +147,7 @@ class LoadPlanner(DefaultLoadPlanner):
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:
         value = self.state_dict.get(index.fqn)
-        if isinstance(value, ShardChunks):
+        if isinstance(value, Chunks):
             return value.chunk(index.offset)
         return super().lookup_tensor(index)
 
@@ -167,22 +159,31 @@ def _item_bytes(item: WriteItem) -> int:
 
 
 def global_size(value: Any) -> torch.Size:
-    return value.size() if isinstance(value, ShardChunks) else value.shape
+    return value.size() if isinstance(value, Chunks) else value.shape
 
 
 def stored(value: Any, shard: TPShard | None) -> Any:
-    """What DCP writes for one value: the tensor itself, or this rank's chunks of the global tensor."""
+    """What DCP writes (or reads into) for one value: the tensor itself, or this rank's chunks of the global tensor
+    (a tensor-parallel shard, a `FlatPiece`, or both)."""
+    if isinstance(value, FlatPiece):
+        boxes = flat_range_boxes(value.shape, value.start, value.flat.numel())
+        return _chunks(value, [(o, value.flat[at : at + math.prod(s)].view(s)) for o, s, at in boxes], shard)
     if shard is None or not isinstance(value, Tensor):
         return value
-    return ShardChunks(value, shard)
+    if isinstance(value, DTensor):  # sdp x tp: this rank's slice (FSDP2's rows) of the tensor-parallel piece
+        (held,) = value.__create_chunk_list__()
+        return _chunks(value, [(torch.Size(held.offsets), value.to_local())], shard)
+    return _chunks(value, [(torch.Size([0] * value.dim()), value)], shard)
 
 
 def stored_like_param(value: Any, param: Tensor | None, shard: TPShard | None, entry: str) -> Any:
     """What DCP writes for one optimizer state tensor: chunked as its parameter when it is shaped like it."""
+    if isinstance(value, FlatPiece):
+        return stored(value, shard)
     if shard is None or not isinstance(value, Tensor) or value.dim() == 0:
         return value
     if param is not None and value.shape == param.shape:
-        return ShardChunks(value, shard)
+        return stored(value, shard)
     raise CheckpointError(
         f"Optimizer state {entry!r} has shape {tuple(value.shape)}, but its tensor-parallel parameter's shard has "
         f"shape {tuple(param.shape) if param is not None else '?'}: only state shaped like the parameter (Adam's "
@@ -191,16 +192,77 @@ def stored_like_param(value: Any, param: Tensor | None, shard: TPShard | None, e
     )
 
 
-def state_target(info: TensorStorageMetadata, param: Tensor | None, shard: TPShard | None) -> Any:
-    """Where one saved optimizer state tensor loads: this rank's chunks when it is shaped like its parameter."""
+def state_target(
+    info: TensorStorageMetadata,
+    param: Tensor | None,
+    shard: TPShard | None,
+    empty_part: Callable[[torch.dtype], Tensor | FlatPiece | None],
+) -> Any:
+    """Where one saved optimizer state tensor loads: when it is shaped like its parameter, what this rank holds of
+    it (``empty_part(dtype)``: an empty tensor shaped like the parameter, a DTensor shard, or a `FlatPiece`), as
+    chunks; None when this rank holds none of it (nothing to read); otherwise the whole saved tensor."""
     dtype = info.properties.dtype
-    if isinstance(param, DTensor) and tuple(info.size) == tuple(param.shape):
-        return torch.empty_like(param, dtype=dtype)  # sharded data parallelism: DCP reads this rank's shard
-    if shard is not None and param is not None and tuple(info.size) == tuple(global_size(ShardChunks(param, shard))):
-        like = (
-            torch.empty_like(param, dtype=dtype)
-            if isinstance(param, DTensor)
-            else torch.empty(param.shape, dtype=dtype)
-        )
-        return ShardChunks(like, shard)
-    return torch.empty(info.size, dtype=dtype)
+    if isinstance(param, DTensor) and shard is None:  # sharded data parallelism: DCP reads this rank's shard
+        like_param = tuple(info.size) == tuple(param.shape)
+    else:  # under sdp x tp, this rank's slice of the tensor-parallel piece as chunks of the global tensor
+        like_param = param is not None and tuple(info.size) == tuple(global_size(stored(param, shard)))
+    if not like_param:
+        return torch.empty(info.size, dtype=dtype)
+    part = empty_part(dtype)
+    return None if part is None else stored(part, shard)
+
+
+def flat_range_boxes(shape: torch.Size, start: int, length: int) -> list[tuple[torch.Size, torch.Size, int]]:
+    """Elements [start, start + length) of a row-major tensor of ``shape`` as boxes (offsets, sizes, where the box
+    starts in the range): each box is contiguous, so it is a view of the flat range. Pure.
+
+    Example: shape (3, 4), elements [2, 11) are row 0's columns 2..3, rows 1, row 2's columns 0..2::
+
+        [((0, 2), (1, 2), 0), ((1, 0), (1, 4), 2), ((2, 0), (1, 3), 6)]
+    """
+    return [(torch.Size(o), torch.Size(s), at - start) for o, s, at in _boxes(tuple(shape), start, start + length)]
+
+
+def _boxes(shape: tuple[int, ...], start: int, end: int) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """(offsets, sizes, first element) of the boxes covering [start, end) of ``shape``, in order."""
+    if start >= end:
+        return
+    if not shape:
+        yield (), (), start
+        return
+    inner = math.prod(shape[1:])
+    first_full, end_full = -(-start // inner), end // inner  # the whole rows [first_full, end_full)
+    if first_full > end_full:  # inside one row
+        row = start // inner
+        for offsets, sizes, at in _boxes(shape[1:], start - row * inner, end - row * inner):
+            yield (row, *offsets), (1, *sizes), at + row * inner
+        return
+    if start < first_full * inner:  # the end of the row before the whole ones
+        row = first_full - 1
+        for offsets, sizes, at in _boxes(shape[1:], start - row * inner, inner):
+            yield (row, *offsets), (1, *sizes), at + row * inner
+    if first_full < end_full:
+        yield (first_full, *[0] * (len(shape) - 1)), (end_full - first_full, *shape[1:]), first_full * inner
+    if end_full * inner < end:  # the start of the row after them
+        for offsets, sizes, at in _boxes(shape[1:], 0, end - end_full * inner):
+            yield (end_full, *offsets), (1, *sizes), at + end_full * inner
+
+
+def _chunks(local: Tensor | FlatPiece, views: list[tuple[torch.Size, Tensor]], shard: TPShard | None) -> Chunks:
+    """``local``'s boxes (their offsets in the tensor this rank holds, and a view of each) as chunks of the global
+    tensor: under tensor parallelism each box's rows move to their block's place along ``shard.dim``."""
+    shape = local.shape
+    if shard is None:
+        return Chunks(local, torch.Size(shape), dict(views))
+    size = list(shape)
+    size[shard.dim] *= shard.parts
+    block = shape[shard.dim] // shard.blocks  # this rank's rows of one block
+    chunks = {}
+    for offsets, view in views:
+        lo, hi = offsets[shard.dim], offsets[shard.dim] + view.shape[shard.dim]
+        for b in range(lo // block, -(-hi // block)):  # the blocks this box crosses
+            begin, stop = max(lo, b * block), min(hi, (b + 1) * block)
+            place = list(offsets)
+            place[shard.dim] = (b * shard.parts + shard.index) * block + begin - b * block
+            chunks[torch.Size(place)] = view.narrow(shard.dim, begin - lo, stop - begin)
+    return Chunks(local, torch.Size(size), chunks)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
-from lightning_smp.checkpoint.dcp_adapter import LoadPlanner, ShardChunks, global_size, state_target, stored
+from lightning_smp.checkpoint.dcp_adapter import Chunks, LoadPlanner, global_size, state_target, stored
 from lightning_smp.checkpoint.names import (
     MODEL,
     OPTIM,
@@ -33,6 +34,7 @@ from lightning_smp.checkpoint.names import (
     optimized_params,
     params_by_name,
     shards_by_name,
+    state_part,
     unwrap,
 )
 from lightning_smp.checkpoint.rng import set_rng_states
@@ -47,6 +49,7 @@ from lightning_smp.checkpoint.verification import (
     reraised_as_checkpoint_error,
     resolve,
 )
+from lightning_smp.master_shard import FlatPiece
 from lightning_smp.materialization import cut_of
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.placement import placement_of
@@ -125,15 +128,24 @@ def load(
             record.get("layout"),
             run.get("layout"),
         )
-    meta["state_dict"] = {
-        name[len(MODEL) :]: value.local if isinstance(value, ShardChunks) else value
-        for name, value in targets.items()
-        if name.startswith(MODEL)
-    }
+    meta["state_dict"] = _loaded_state_dict(module, targets)
     if saved_optimizers is None:
         meta.pop("optimizer_states", None)
     meta[RECORD] = record
     return meta
+
+
+def _loaded_state_dict(module: nn.Module, targets: dict[str, Any]) -> dict[str, Any]:
+    """The model entries as loaded, for Lightning's hooks: this rank's tensors (a ZeRO-1 master's piece is given
+    as the model's parameter, which the optimizer has set from the gathered pieces)."""
+    own = module.state_dict(keep_vars=True)
+    loaded = {}
+    for entry, value in targets.items():
+        if entry.startswith(MODEL):
+            name = entry[len(MODEL) :]
+            held = value.local if isinstance(value, Chunks) else value
+            loaded[name] = own[name] if isinstance(held, FlatPiece) else held
+    return loaded
 
 
 def load_plain(
@@ -162,8 +174,13 @@ def load_plain(
                 if not isinstance(value, Tensor):
                     targets[f"{MODEL}{name}"] = saved[name]  # extra state, handed back to its module
                     continue
-                target = masters.get(id(value), value).detach()
-                _local(target).copy_(cut_of(value)(saved[name]))
+                target = masters.get(id(value), value)
+                part = cut_of(value)(saved[name])
+                if isinstance(target, FlatPiece):  # this replica's elements of the master (ZeRO-1)
+                    target.flat.copy_(part.reshape(-1)[target.start : target.start + target.flat.numel()])
+                else:
+                    target = target.detach()
+                    _local(target).copy_(part)
                 targets[f"{MODEL}{name}"] = target
                 progress.advance(_local(value).nbytes)
         _after_model_load(module, optimizers, masters, targets)
@@ -208,12 +225,13 @@ def _plain_problems(own: dict[str, Any], saved: dict[str, Any], strict: bool) ->
     return _fit_problems(missing=missing, shapes=shapes, unexpected=sorted(n for n in saved if n not in held))
 
 
-def _model_targets(module: nn.Module, masters: dict[int, Tensor]) -> dict[str, Any]:
+def _model_targets(module: nn.Module, masters: dict[int, Tensor | FlatPiece]) -> dict[str, Any]:
     """Where each ``model/`` entry loads: the fp32 master of a parameter that has one, else the tensor itself."""
     targets = {}
     for name, value in module.state_dict(keep_vars=True).items():
         if isinstance(value, Tensor):
-            source = masters.get(id(value), value).detach()
+            source = masters.get(id(value), value)
+            source = source.detach() if isinstance(source, Tensor) else source
             targets[f"{MODEL}{name}"] = stored(source, placement_of(value).tp_shard)
         else:
             targets[f"{MODEL}{name}"] = None  # extra state (`get_extra_state`): read back as an object
@@ -268,17 +286,17 @@ def _listing(items: Sequence[str], limit: int = 8) -> str:
 
 
 def _after_model_load(
-    module: nn.Module, optimizers: Sequence[Any], masters: dict[int, Tensor], targets: dict[str, Any]
+    module: nn.Module, optimizers: Sequence[Any], masters: dict[int, Tensor | FlatPiece], targets: dict[str, Any]
 ) -> None:
     """Hand the loaded masters to their optimizers (which set the model's parameters from them); hand extra state
     back to its modules."""
     for optimizer in optimizers:
         if isinstance(optimizer, MasterWeightOptimizer):
-            optimizer.load_whole_masters(masters)
+            optimizer.load_masters(masters)
     extra = {
         name[len(MODEL) :]: value
         for name, value in targets.items()
-        if name.startswith(MODEL) and not isinstance(value, Tensor | ShardChunks) and value is not None
+        if name.startswith(MODEL) and not isinstance(value, Tensor | Chunks) and value is not None
     }
     if extra:
         module.load_state_dict(extra, strict=False)
@@ -308,9 +326,12 @@ def _optimizer_plan(index: int, optimizer: Any, module: nn.Module, metadata: Met
             entry = f"{OPTIM}{index}/state/{found}/{key}"
             info = metadata.state_dict_metadata[entry]
             if isinstance(info, BytesStorageMetadata):
-                plan.targets[entry] = None
+                target = None
             else:
-                plan.targets[entry] = state_target(info, params.get(name), shards.get(name))
+                target = state_target(info, params.get(name), shards.get(name), partial(state_part, optimizer, param))
+                if target is None:
+                    continue  # this rank holds none of it (ZeRO-1: another replica's share)
+            plan.targets[entry] = target
             plan.slots[entry] = (param, key)
     return plan
 
@@ -330,7 +351,7 @@ def _load_optimizer(plan: _OptimizerPlan, optimizer: Any, saved: dict[str, Any],
     states: dict[int, dict[str, Any]] = {}
     for entry, (param, key) in plan.slots.items():
         value = targets[entry]
-        states.setdefault(id(param), {})[key] = value.local if isinstance(value, ShardChunks) else value
+        states.setdefault(id(param), {})[key] = value.local if isinstance(value, Chunks) else value
     try:
         load_state_by_param(optimizer, states, saved["param_groups"])
     except ValueError as error:

@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_smp.checkpoint.verification import CheckpointError
+from lightning_smp.master_shard import FlatPiece
 from lightning_smp.optimizer import MasterWeightOptimizer, load_state_by_tensor
 from lightning_smp.placement import TPShard, placement_of
 
@@ -33,6 +35,7 @@ __all__ = [
     "params_by_name",
     "shards_by_name",
     "state_by_param",
+    "state_part",
     "unwrap",
 ]
 
@@ -42,12 +45,12 @@ MODEL, OPTIM, RNG = "model/", "optim/", "rng/"  # the entries' prefixes (see the
 def model_state_dict(module: nn.Module, optimizers: Sequence[Any] = ()) -> dict[str, Any]:
     """``module.state_dict()`` under its global names, with each parameter that has an fp32 master replaced by it.
 
-    Tensors are this rank's (tensor-parallel shards stay shards); nothing is copied, except the masters of a sharded
-    optimizer, which are gathered whole (collective: every replica calls it).
+    Values are what this rank holds, nothing is copied: tensor-parallel shards stay shards, and a sharded
+    optimizer's master is this replica's `FlatPiece` of it (saving writes each replica's share).
     """
     masters = masters_by_param(optimizers)
     return {
-        name: masters.get(id(value), value).detach() if isinstance(value, Tensor) else value
+        name: _detached(masters.get(id(value), value)) if isinstance(value, Tensor) else value
         for name, value in module.state_dict(keep_vars=True).items()
     }
 
@@ -55,7 +58,7 @@ def model_state_dict(module: nn.Module, optimizers: Sequence[Any] = ()) -> dict[
 def optimizer_state_dict(optimizer: Any, module: nn.Module) -> dict[str, Any]:
     """One optimizer's state keyed by global parameter name (torch keys it by position, which differs between
     layouts): ``{"state": {name: {key: value}}, "param_groups": [hyper-parameters], "loss_scaler", "skipped_steps"}``.
-    Collective when the optimizer state is sharded (every replica calls it).
+    Under ZeRO-1 a replica lists the parameters it holds a piece of, element-wise values as `FlatPiece`s.
     """
     optimizer = unwrap(optimizer)
     names = {id(param): name for name, param in module.named_parameters()}
@@ -108,14 +111,25 @@ def load_state_by_param(
         load_state_by_tensor(optimizer, states, param_groups)
 
 
-def masters_by_param(optimizers: Sequence[Any]) -> dict[int, Tensor]:
-    """id(model parameter) → its whole fp32 master (gathered when sharded: collective)."""
+def state_part(optimizer: Optimizer, param: Tensor, dtype: torch.dtype) -> Tensor | FlatPiece | None:
+    """An empty tensor for what this rank holds of an element-wise optimizer state of ``param``."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        return optimizer.state_part(param, dtype)
+    return torch.empty_like(param, dtype=dtype)
+
+
+def masters_by_param(optimizers: Sequence[Any]) -> dict[int, Tensor | FlatPiece]:
+    """id(model parameter) → its fp32 master as this rank holds it (`MasterWeightOptimizer.master_parts`)."""
     masters = {}
     for optimizer in optimizers:
         optimizer = unwrap(optimizer)
         if isinstance(optimizer, MasterWeightOptimizer):
-            masters.update({id(param): master for param, master in optimizer.whole_masters()})
+            masters.update(optimizer.master_parts())
     return masters
+
+
+def _detached(value: Tensor | FlatPiece) -> Tensor | FlatPiece:
+    return value.detach() if isinstance(value, Tensor) else value
 
 
 def aliases(module: nn.Module) -> dict[str, list[str]]:

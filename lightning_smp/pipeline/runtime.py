@@ -414,7 +414,7 @@ class PipelineEngine:
 
     def _reduce_gradients(self) -> None:
         topology = self._topology
-        tied = self.tied_parameters
+        tied = [p for p in self.tied_parameters if p.requires_grad]  # a frozen one gets no grad, as on one device
         if tied:
             for param in tied:
                 if param.grad is None:
