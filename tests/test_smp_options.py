@@ -161,9 +161,6 @@ def test_the_gpt2_notebooks_smp_options_train_through_both_entry_points():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.xfail(
-    strict=True, reason="sdp at the default threshold fails at the first step; fixed on branch optim (issue 20)"
-)
 def test_the_sharded_data_parallel_notebooks_smp_options_train_through_both_entry_points():
     ranks = run_distributed(_both_entry_points, 2, SDP_NOTEBOOK, timeout=500)
     _check_trains_through_both(ranks, SDP_NOTEBOOK)
