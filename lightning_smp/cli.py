@@ -35,7 +35,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from jsonargparse import Namespace
+from jsonargparse.typing import import_object
 from lightning.pytorch.cli import ArgsType, LightningCLI
+from typing_extensions import override
 
 import lightning_smp  # (registers the strategy names)
 from lightning_smp import memory, smp
@@ -204,7 +207,7 @@ def make_cli(args: ArgsType = None, *, run: bool = True, **cli_kwargs: Any) -> L
     _make_cwd_importable()
     trainer_defaults = {"strategy": "smp", **cli_kwargs.pop("trainer_defaults", {})}
     parser_kwargs = {"description": _DESCRIPTION, "prog": _prog(), **cli_kwargs.pop("parser_kwargs", {})}
-    return LightningCLI(
+    return _SMPCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults=trainer_defaults,
@@ -213,6 +216,26 @@ def make_cli(args: ArgsType = None, *, run: bool = True, **cli_kwargs: Any) -> L
         run=run,
         **cli_kwargs,
     )
+
+
+class _SMPCLI(LightningCLI):
+    """LightningCLI, except that an SMPStrategy gets only the settings the config gives: the parser fills in every
+    default, and a default passed as a keyword argument would win over ``smp_options`` (`SMPConfig.from_sources`).
+    A setting written in the config with its default value therefore counts as not given."""
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        strategy = config.get("trainer", {}).get("strategy")
+        if not isinstance(strategy, Namespace) or not isinstance(strategy.get("init_args"), Namespace):
+            return
+        cls = import_object(strategy.class_path)
+        if not (isinstance(cls, type) and issubclass(cls, lightning_smp.SMPStrategy)):
+            return
+        settings = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
+        for name in list(vars(strategy.init_args)):
+            if name in settings and strategy.init_args[name] == settings[name]:
+                del strategy.init_args[name]
 
 
 def _prog() -> str:

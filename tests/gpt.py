@@ -102,8 +102,9 @@ class TinyGPT(pl.LightningModule):
 
 
 class AdamWGPT(TinyGPT):
-    """`TinyGPT` trained on 32 random sequences in batches of 8 with AdamW and a per-step StepLR, so that optimizer
-    state and the LR schedule cross a checkpoint."""
+    """`TinyGPT` trained on 32 random sequences in steps of 8 per model replica with AdamW and a per-step StepLR, so
+    that optimizer state and the LR schedule cross a checkpoint. Each tensor-parallel rank reads its share of the 8
+    (``prescaled_batch=False``), so every layout steps on the same samples."""
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.loss(batch)
@@ -113,7 +114,7 @@ class AdamWGPT(TinyGPT):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8)
+        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8 // smp.tp_size())
 
 
 class BlockGPT(pl.LightningModule):

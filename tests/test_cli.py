@@ -219,3 +219,10 @@ def test_estimate_draws_the_memory_of_each_stage_against_the_device(
     cli.main(["estimate", "--config", str(_CONFIGS / "pp.yaml"), "--device-memory", "64MiB", "--plot", str(chart)])
     assert f"Wrote the chart to {chart}." in capsys.readouterr().out
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+
+
+def test_a_setting_left_out_of_the_yaml_does_not_override_smp_options(tmp_path: Path) -> None:
+    # LightningCLI passes every default; only the settings the YAML writes count as given (a written default too).
+    init_args = {"smp_options": {"parameters": {"microbatches": 4, "fp16": True}}, "tensor_parallel_seed": 3}
+    strategy = _parse(tmp_path, {"strategy": {"class_path": "lightning_smp.SMPStrategy", "init_args": init_args}})
+    assert strategy.config == SMPConfig(microbatches=4, fp16=True, tensor_parallel_seed=3)

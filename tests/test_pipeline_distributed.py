@@ -484,7 +484,12 @@ LAYOUTS_4 = {
     "gpt_pp4_simple": ("gpt", {}, {**PP4, "pipeline": "simple"}),
     "cnn_pp4_1f1b": ("cnn", {}, PP4),
     "gpt_pp2_dp2": ("gpt", {}, {"pipeline_parallel_degree": 2, "microbatches": 2}),
-    "gpt_pp2_tp2": ("gpt", {}, {**PP2, "tensor_parallel_degree": 2, "tensor_parallel_plan": MLP_TP_PLAN}),
+    # each tensor-parallel rank reads 4 samples (prescaled_batch=False): the two train on the reference's 8
+    "gpt_pp2_tp2": (
+        "gpt",
+        {"batch_size": 4},
+        {**PP2, "tensor_parallel_degree": 2, "tensor_parallel_plan": MLP_TP_PLAN},
+    ),
 }
 
 

@@ -210,7 +210,8 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
         init_gloo()  # the Trainers below find and keep this default group
     for tp, everything in layouts:
         dp = world // tp
-        batch, key, degree = GLOBAL_BATCH // dp, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}
+        # every rank reads its own share (prescaled_batch=False): a tensor-parallel group trains on tp of them
+        batch, key, degree = GLOBAL_BATCH // world, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}
         warning = _SHARED_WEIGHT if tp > 1 else None
         results[f"gpt_{key}"] = _fit(rank, _TinyGPT(batch), degree, warns=warning, validate=True)
         if everything:

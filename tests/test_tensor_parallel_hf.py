@@ -103,7 +103,8 @@ class _CausalLM(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         ids = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(ids), batch_size=BATCH)
+        # each tensor-parallel rank reads its share (prescaled_batch=False): a step trains on BATCH samples
+        return DataLoader(TensorDataset(ids), batch_size=BATCH // smp.tp_size())
 
 
 class _Losses(Callback):

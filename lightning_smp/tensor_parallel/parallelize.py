@@ -78,8 +78,8 @@ def parallelize(
         if tp.rank > 0:
             mark_norm_duplicate(param, axis="tp")  # tp-rank 0 counts the replicated values in the global norm
     log.info(
-        "tensor parallelism: split %d module(s) over tp=%d (%d layer(s) sequence-parallel); this rank holds %d "
-        "sharded + %d replicated parameters",
+        "lightning_smp tensor parallelism: split %d module(s) over tp=%d (%d layer(s) sequence-parallel); this rank "
+        "holds %d sharded + %d replicated parameters",
         len(plan.units),
         tp_size,
         len(plan.sequence_layers),
@@ -113,6 +113,15 @@ def _warn_about(plan: TensorParallelPlan, tp_size: int, *, sequence_parallel: bo
             "is a layer lightning_smp can split (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, "
             "nn.MultiheadAttention, nn.Embedding, or smp.nn modules), so nothing is split. Name the layers to split "
             "with SMPStrategy(tensor_parallel_plan={'path.to.fc': 'colwise', 'path.to.proj': 'rowwise'})."
+        )
+    elif not plan.units:
+        rank_zero_warn(
+            f"tensor_parallel_degree={tp_size} splits nothing in this model: no layer was created under "
+            "smp.model_creation(tensor_parallelism=True) / smp.tensor_parallelism(), marked with "
+            "smp.set_tensor_parallelism(), named in tensor_parallel_plan, or is an smp.nn layer, so every "
+            "tensor-parallel rank holds and computes the whole model. Create the layers tensor-parallel, name them "
+            "in SMPStrategy(tensor_parallel_plan=...), or set tensor_parallel_degree=1 to use the ranks for data "
+            "parallelism."
         )
     if not sequence_parallel:
         return

@@ -88,12 +88,42 @@ def _child_sequence(name: str, layer: SequenceSplit | None) -> SequenceSplit | N
     return SequenceSplit(0 if name in ("self_attn", "multihead_attn") else layer.dim)
 
 
+# smp.nn.DistributedTransformerLayer's own keyword arguments, refused with the torch ones to pass instead
+_SMP_LAYER_KEYWORDS = frozenset(
+    {
+        "num_attention_heads",
+        "attention_head_size",
+        "hidden_size",
+        "intermediate_size",
+        "attention_dropout_prob",
+        "hidden_dropout_prob",
+        "layernorm_epsilon",
+        "initializer_range",
+        "use_normal_initialization",
+        "causal_mask_size",
+        "add_cross_attention",
+        "pre_layernorm",
+        "post_layernorm",
+    }
+)
+
+
 class DistributedTransformerLayer(_TransformerLayerParallel, nn.TransformerEncoderLayer):
     """``nn.TransformerEncoderLayer``, same arguments and numerics, split over the tensor-parallel ranks whether or
     not it is created under ``smp.tensor_parallelism()`` (smp's ``DistributedTransformerLayer``; its own keyword
-    names are not reproduced)."""
+    names are refused with the torch ones to pass instead)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        smp_keywords = sorted(_SMP_LAYER_KEYWORDS.intersection(kwargs))
+        if smp_keywords:
+            raise TypeError(
+                f"DistributedTransformerLayer got smp's keyword arguments {smp_keywords}; in lightning_smp it is "
+                "nn.TransformerEncoderLayer split over the tensor-parallel ranks and takes torch's: pass "
+                "d_model=hidden_size, nhead=num_attention_heads, dim_feedforward=intermediate_size, "
+                "dropout=hidden_dropout_prob, layer_norm_eps=layernorm_epsilon, norm_first=pre_layernorm, "
+                "batch_first=True, and call it as layer(hidden_states, src_mask=mask, is_causal=...) instead of "
+                "layer((hidden_states, attention_mask))."
+            )
         super().__init__(*args, **kwargs)
         type(self).tp_convert(self)
 
