@@ -1,10 +1,10 @@
 """What each rank holds when a GPT is split over devices: measured bytes per rank, the planner's estimate, peak RSS.
 
 The GPT is the one of the memory issue — ``nn.Embedding(V, d)``, L × ``nn.TransformerEncoderLayer(d, heads, ff)``
-in an ``nn.ModuleList`` (the pipelined trunk), a LayerNorm and an ``nn.Linear`` head, tied to the embedding or
+in an ``nn.ModuleList`` (the pipelined trunk), a LayerNorm and a ``smp.nn.DistributedLMHead`` (an ``nn.Linear``
+split along the vocabulary under tensor parallelism, with its vocabulary-parallel loss), tied to the embedding or
 not — built in ``configure_model`` under ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`` and trained
-with fp16, fp32 masters and AdamW. Under tensor parallelism the head is split by the plan a user would write,
-``tensor_parallel_plan={"head": "colwise"}``, with the loss from ``vocab_parallel_cross_entropy``. Each layout
+with fp16, fp32 masters and AdamW. Each layout
 (one device, tp2, pp2, pp2×tp2, dp2 with and without ``shard_optimizer_state``, and sdp2:
 ``sharded_data_parallel_degree=2`` with ``sdp_param_persistence_threshold=0`` so that every module shards) and head
 runs in a fresh process whose ranks Lightning launches (as ``tp_memory.py``). Every rank reports, from the live
@@ -41,14 +41,12 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPConfig, SMPStrategy, estimate_memory, smp
-from lightning_smp.tensor_parallel import vocab_parallel_cross_entropy
 
 try:
     from benchmarks.pipeline_bench import record
@@ -80,10 +78,22 @@ STATES = ("parameters", "gradients", "masters", "master_gradients", "optimizer_s
 class ScaleGPT(L.LightningModule):
     """The benchmark's GPT; ``tied`` shares the head's weight with the token embedding."""
 
-    def __init__(self, *, vocab: int, width: int, heads: int, ff: int, layers: int, seq: int, tied: bool) -> None:
+    def __init__(
+        self,
+        *,
+        vocab: int,
+        width: int,
+        heads: int,
+        ff: int,
+        layers: int,
+        seq: int,
+        tied: bool,
+        dropout: float = 0.0,
+        checkpointing: bool = False,
+    ) -> None:
         super().__init__()
         self.shape = {"vocab": vocab, "width": width, "heads": heads, "ff": ff, "layers": layers, "seq": seq}
-        self.tied = tied
+        self.tied, self.dropout, self.checkpointing = tied, dropout, checkpointing
         self.blocks: nn.ModuleList | None = None
 
     def configure_model(self) -> None:
@@ -95,14 +105,18 @@ class ScaleGPT(L.LightningModule):
             self.tok = nn.Embedding(s["vocab"], s["width"])
             self.blocks = nn.ModuleList(
                 nn.TransformerEncoderLayer(
-                    s["width"], s["heads"], s["ff"], dropout=0.0, batch_first=True, norm_first=True
+                    s["width"], s["heads"], s["ff"], dropout=self.dropout, batch_first=True, norm_first=True
                 )
                 for _ in range(s["layers"])
             )
             self.norm = nn.LayerNorm(s["width"])
-            self.head = nn.Linear(s["width"], s["vocab"], bias=False)
+            self.head = smp.nn.DistributedLMHead(s["width"], s["vocab"])
         if self.tied:
             self.head.weight = self.tok.weight
+        for block in self.blocks:  # `dropout` is on the residual stream only (GPT-2's resid_pdrop)
+            block.dropout.p, block.self_attn.dropout = 0.0, 0.0
+        if self.checkpointing:
+            smp.set_activation_checkpointing(self.blocks)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         ids, target = batch  # (B, T) each
@@ -110,10 +124,8 @@ class ScaleGPT(L.LightningModule):
         mask = nn.Transformer.generate_square_subsequent_mask(ids.size(1), dtype=h.dtype, device=h.device)
         for block in self.blocks:
             h = block(h, src_mask=mask, is_causal=True)
-        logits = self.head(self.norm(h))  # (B, T, V / tp): the plan splits the head over the vocabulary
-        if smp.tp_size() > 1:
-            return vocab_parallel_cross_entropy(logits, target, group=smp.get_tp_process_group())
-        return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+        logits = self.head(self.norm(h))  # (B, T, V / tp): split over the vocabulary
+        return self.head.loss(logits, target)  # vocabulary-parallel cross entropy under tensor parallelism
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
@@ -131,8 +143,6 @@ def strategy_kwargs(layout: str, *, delayed_init: bool = False) -> dict[str, Any
         kwargs["delayed_parameter_initialization"] = True
     if pp > 1:
         kwargs.update(microbatches=2, pipeline_module="blocks")
-    if tp > 1:
-        kwargs["tensor_parallel_plan"] = {"head": "colwise"}
     return kwargs
 
 

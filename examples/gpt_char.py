@@ -106,7 +106,8 @@ class StdlibCharData(L.LightningDataModule):
 
     Args:
         block_size: characters per sample (the model's context length).
-        batch_size: samples per batch on each data-parallel replica (divisible by the microbatches).
+        batch_size: samples per batch on each rank (smp's per-GPU batch: the ranks of a tensor-parallel group each
+            read one and train on their union, prescaled_batch=False); their union divisible by the microbatches.
         num_files: how many source files to read (after a shuffle seeded by ``seed``).
     """
 
@@ -251,7 +252,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     parser.add_argument("--accelerator", default="auto", help="auto (GPU when present, else CPU), cpu, gpu")
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--val-every", type=int, default=100, help="validate every this many steps")
-    parser.add_argument("--batch-size", type=int, default=32, help="per data-parallel replica")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=32,
+        help="per rank (a tensor-parallel group trains on its ranks' batches together)",
+    )
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute layer activations in backward (less memory)"

@@ -56,6 +56,8 @@ class LlamaCharLM(GPTCharLM):
         lr: AdamW learning rate.
         activation_checkpointing: recompute each decoder layer's activations in backward instead of keeping them
             (``smp.set_activation_checkpointing`` on ``model.model.layers``).
+        vocab_size: rows of the embedding and the head (the characters need 128; a bigger one plans a real model's
+            logits, as examples/configs/llama3_8b.yaml does).
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class LlamaCharLM(GPTCharLM):
         lr: float = 1e-2,
         weight_decay: float = 0.01,
         activation_checkpointing: bool = False,
+        vocab_size: int = VOCAB_SIZE,
     ) -> None:
         super().__init__(
             n_layer, n_head, d_model, block_size, lr=lr, weight_decay=weight_decay,
@@ -82,7 +85,7 @@ class LlamaCharLM(GPTCharLM):
             return
         hp = self.hparams
         config = LlamaConfig(
-            vocab_size=VOCAB_SIZE,
+            vocab_size=hp.vocab_size,
             hidden_size=hp.d_model,
             intermediate_size=hp.intermediate_size,
             num_hidden_layers=hp.n_layer,

@@ -1,8 +1,13 @@
 """lightning_smp: SageMaker-model-parallel-style training (smp v1) as a PyTorch Lightning strategy.
 
 ``import lightning_smp`` registers the strategy names (``smp``, ``smp_fp16``, ``smp_bf16`` and their fork-launched
-variants for notebooks); ``from lightning_smp import smp`` gives the smp-compatible facade.
+variants for notebooks) and shows lightning_smp's own INFO lines on rank 0 (`_show_info_on_rank_zero`);
+``from lightning_smp import smp`` gives the smp-compatible facade.
 """
+
+import logging
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from lightning_smp import smp
 from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict, export_hf
@@ -32,4 +37,26 @@ __all__ = [
     "smp",
 ]
 
+
+class _RankZeroInfo(logging.Filter):
+    """Lets INFO and DEBUG records through on global rank 0 only (as Lightning's rank_zero_info), warnings on all."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or getattr(rank_zero_only, "rank", 0) == 0
+
+
+def _show_info_on_rank_zero() -> None:
+    """Show lightning_smp's INFO lines (the layout, what tensor parallelism split, what was materialised) on rank 0
+    by default, the way ``lightning.pytorch`` shows its own setup lines: the logger at INFO with a stderr handler of
+    its own when the root logger has none (a logging configuration of the user's takes over otherwise)."""
+    logger = logging.getLogger(__name__)
+    logger.setLevel(logging.INFO)
+    if not logging.getLogger().hasHandlers():
+        handler = logging.StreamHandler()
+        handler.addFilter(_RankZeroInfo())
+        logger.addHandler(handler)
+        logger.propagate = False
+
+
+_show_info_on_rank_zero()
 register_strategies()

@@ -51,6 +51,7 @@ __all__ = [
     "ddp_kwargs",
     "device_constructors",
     "dump_checkpoint",
+    "flash_attention_for_cpu",
     "flatten_dense_tensors",
     "flatten_mesh",
     "foreach_clamp_max_",
@@ -131,6 +132,11 @@ ATEN_TO_COPY = torch.ops.aten._to_copy.default
 INITS_THAT_SKIP_META = ("_no_grad_trunc_normal_", "orthogonal_", "dirac_", "sparse_")
 """The ``torch.nn.init`` functions that return at once for meta tensors (they need values: rejection sampling, QR);
 ``trunc_normal_`` reaches its private helper, looked up in ``torch.nn.init`` at each call."""
+
+flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+"""``(query, key, value, dropout_p, is_causal, *, attn_mask, scale)`` → ``(output, logsumexp)``: the fused attention
+kernel ``F.scaled_dot_product_attention`` picks, whose meta version shows what it keeps for backward (the memory
+planner counts it instead of the math fallback torch takes on the meta device)."""
 
 MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 """An ``nn.Module``'s three tables, as they appear in ``vars(module)``."""

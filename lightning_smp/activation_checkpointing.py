@@ -33,7 +33,7 @@ from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.tensor_parallel.base import TensorParallelModule
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 
-__all__ = ["apply", "set_activation_checkpointing"]
+__all__ = ["apply", "is_marked", "set_activation_checkpointing"]
 
 _REQUEST = "_smp_activation_checkpointing"
 # Every module `apply` has seen: a mark made on one of them later would never be applied.
@@ -75,6 +75,11 @@ def set_activation_checkpointing(
             "configure_model."
         )
     object.__setattr__(module, _REQUEST, request)
+
+
+def is_marked(module: nn.Module) -> bool:
+    """Whether `set_activation_checkpointing` marked ``module``."""
+    return _REQUEST in module.__dict__
 
 
 def apply(

@@ -71,7 +71,9 @@ def plan(model: nn.Module, *, config: SMPConfig, tp: int, pp: int, sdp: int = 1)
     """The plan of splitting ``model`` ``tp`` ways, over ``pp`` stages and ``sdp`` shard ranks; reads ``model``,
     changes nothing. The partition balances the trunk children's parameters as each rank holds them (1/tp of the
     split ones). Raises ``ValueError`` when the model cannot take the layout."""
-    tensor_parallel_plan = plan_tensor_parallel(model, tp_size=tp, patterns=config.tensor_parallel_plan)
+    tensor_parallel_plan = plan_tensor_parallel(
+        model, tp_size=tp, patterns=config.tensor_parallel_plan, sequence_parallel=config.sequence_parallel
+    )
     split_ids: frozenset[int] = frozenset()
     if tp > 1:
         split_ids = frozenset(

@@ -10,10 +10,11 @@ LightningModule and LightningDataModule are given by class path; the current dir
     python -m lightning_smp fit --config examples/configs/dp.yaml --trainer.max_steps 10
 
 One subcommand is its own: ``estimate`` builds the config's LightningModule on the meta device (no memory, no
-processes) and prints what each rank of the configured layout would hold (`lightning_smp.memory`), and with
-``--devices`` the layouts that fit a device:
+processes), traces one microbatch of the config's data through it there, and prints what each rank of the
+configured layout would hold (`lightning_smp.memory`), with ``--devices`` the layouts that fit a device, with
+``--plot`` the chart:
 
-    lightning-smp estimate --config examples/configs/pp_tp_dp.yaml --device-memory 40GiB --devices 8
+    lightning-smp estimate --config examples/configs/pp_tp_dp.yaml --device-memory 40GiB --devices 8 --plot m.png
 
 Another, ``export-hf``, writes a trained model out of a sharded checkpoint (`lightning_smp.export_hf`): a Hugging
 Face directory that ``from_pretrained`` loads, or plain safetensors for a LightningModule that wraps no such model:
@@ -34,7 +35,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from jsonargparse import Namespace
+from jsonargparse.typing import import_object
 from lightning.pytorch.cli import ArgsType, LightningCLI
+from typing_extensions import override
 
 import lightning_smp  # (registers the strategy names)
 from lightning_smp import memory, smp
@@ -93,13 +97,19 @@ def estimate(args: Sequence[str]) -> None:
         prog=f"{_prog()} estimate",
         description="Build the config's LightningModule on the meta device (configure_model included) and print the "
         "bytes each rank of its SMPStrategy layout would hold: parameters, gradients, fp32 masters, optimizer state "
-        "and, for transformer layers, activations. Nothing is allocated and no process is started.",
+        "and the activations of one microbatch of the config's data, measured by running training_step forward and "
+        "backward on the meta device. Nothing is allocated and no process is started.",
     )
     parser.add_argument("--config", required=True, help="a LightningCLI config (model, trainer.strategy, devices)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 40GiB, 80GB, 141G: says whether it fits")
     parser.add_argument("--devices", type=int, help="also list the pp x tp x dp layouts of this many devices that fit")
-    parser.add_argument("--micro-batch-size", type=int, help="samples per microbatch, for the activation estimate")
-    parser.add_argument("--sequence-length", type=int, help="tokens per sample, for the activation estimate")
+    parser.add_argument(
+        "--micro-batch-size", type=int, help="samples per microbatch (resizes dim 0 of the data's batch)"
+    )
+    parser.add_argument(
+        "--sequence-length", type=int, help="tokens per sample (resizes dim 1 of the data's batch tensors)"
+    )
+    parser.add_argument("--plot", metavar="PATH", help="also draw the configured layout's memory per stage (PNG, SVG)")
     options = parser.parse_args(list(args))
     if options.devices is not None and options.device_memory is None:
         parser.error("--devices lists the layouts that fit a device: give --device-memory too")
@@ -121,19 +131,45 @@ def estimate(args: Sequence[str]) -> None:
     config = strategy.config
     world_size = cli.trainer.num_devices * cli.trainer.num_nodes
     blueprint = copy.deepcopy(cli.model)  # before configure_model: rebuilt per tensor-parallel degree below
-    activations = {"micro_batch_size": options.micro_batch_size, "sequence_length": options.sequence_length}
+    activations = {
+        "batch": _first_batch(cli),
+        "micro_batch_size": options.micro_batch_size,
+        "sequence_length": options.sequence_length,
+    }
     model = _build_on_meta(cli.model, config, world_size)
-    print(
-        memory.estimate_memory(
-            model, config=config, world_size=world_size, device_memory=options.device_memory, **activations
-        )
+    report = memory.estimate_memory(
+        model, config=config, world_size=world_size, device_memory=options.device_memory, **activations
     )
+    print(report)
+    if options.plot is not None:
+        print(f"\nWrote the chart to {report.plot(options.plot)}.")
     if options.devices is not None:
-        _print_fitting_layouts(blueprint, config, options, activations)
+        measured = report.ranks[0].activations is not None
+        _print_fitting_layouts(blueprint, config, options, activations, measured=measured)
+
+
+def _first_batch(cli: LightningCLI) -> Any:
+    """One training batch of the config's data (its datamodule's, else the model's own dataloader), or None."""
+    source = cli.datamodule if cli.datamodule is not None else cli.model
+    try:
+        if isinstance(source, pl.LightningDataModule):
+            source.prepare_data()
+            source.setup("fit")
+        return next(iter(source.train_dataloader()))
+    except Exception as error:  # no data, or data not reachable here: the report says activations are unknown
+        warnings.warn(
+            f"estimate: no training batch from the config's data ({type(error).__name__}: {error})", stacklevel=2
+        )
+        return None
 
 
 def _print_fitting_layouts(
-    blueprint: pl.LightningModule, config: SMPConfig, options: argparse.Namespace, activations: dict[str, Any]
+    blueprint: pl.LightningModule,
+    config: SMPConfig,
+    options: argparse.Namespace,
+    activations: dict[str, Any],
+    *,
+    measured: bool,
 ) -> None:
     """The layouts of ``options.devices`` devices that fit, each tensor-parallel degree built from ``blueprint``."""
 
@@ -145,6 +181,9 @@ def _print_fitting_layouts(
         build, devices=options.devices, device_memory=options.device_memory, config=config, **activations
     )
     size = memory.format_bytes(options.device_memory)
+    if not measured:
+        print(f"\nNo layout of {options.devices} device(s) is known to fit {size}: the activations were not measured.")
+        return
     if not fitting:
         print(f"\nNo pp x tp x dp layout of {options.devices} device(s) fits {size} per device.")
         return
@@ -168,7 +207,7 @@ def make_cli(args: ArgsType = None, *, run: bool = True, **cli_kwargs: Any) -> L
     _make_cwd_importable()
     trainer_defaults = {"strategy": "smp", **cli_kwargs.pop("trainer_defaults", {})}
     parser_kwargs = {"description": _DESCRIPTION, "prog": _prog(), **cli_kwargs.pop("parser_kwargs", {})}
-    return LightningCLI(
+    return _SMPCLI(
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults=trainer_defaults,
@@ -177,6 +216,26 @@ def make_cli(args: ArgsType = None, *, run: bool = True, **cli_kwargs: Any) -> L
         run=run,
         **cli_kwargs,
     )
+
+
+class _SMPCLI(LightningCLI):
+    """LightningCLI, except that an SMPStrategy gets only the settings the config gives: the parser fills in every
+    default, and a default passed as a keyword argument would win over ``smp_options`` (`SMPConfig.from_sources`).
+    A setting written in the config with its default value therefore counts as not given."""
+
+    @override
+    def before_instantiate_classes(self) -> None:
+        config = self.config.get(str(self.subcommand), self.config)
+        strategy = config.get("trainer", {}).get("strategy")
+        if not isinstance(strategy, Namespace) or not isinstance(strategy.get("init_args"), Namespace):
+            return
+        cls = import_object(strategy.class_path)
+        if not (isinstance(cls, type) and issubclass(cls, lightning_smp.SMPStrategy)):
+            return
+        settings = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
+        for name in list(vars(strategy.init_args)):
+            if name in settings and strategy.init_args[name] == settings[name]:
+                del strategy.init_args[name]
 
 
 def _prog() -> str:

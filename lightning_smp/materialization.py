@@ -117,7 +117,7 @@ def materialize_kept(model: nn.Module, *, device: torch.device, pending: Mapping
         for module, local_name, is_parameter in owners[id(old)]:
             (parameter_table(module) if is_parameter else buffer_table(module))[local_name] = value
     del olds, wanted, values
-    log.debug("materialised %d bytes on %s", total, device)
+    log.info("lightning_smp: materialised %d bytes on %s", total, device)
     _return_freed_host_memory()
 
 

@@ -1,12 +1,13 @@
 """The memory planner: what each rank of a pp × tp × dp layout holds, computed before any process starts.
 
-Owns the arithmetic only: bytes per element of parameters, gradients, fp32 masters and optimizer state, the
-activation estimate of Korthikanti et al. 2022 (Table 2), whether the largest rank fits a device, and the search
-over layouts for a device count. What a rank holds is not re-derived here: the package's own pure plans run on the
-model (best built on the meta device) — `lightning_smp.build.plan`, the one the strategy applies, says which
-parameters each tensor-parallel rank keeps 1/tp of, which trunk children each stage keeps, which stages keep the
-modules outside the trunk and which modules sharded data parallelism shards; the pipeline schedule how many
-microbatches a stage holds at once — so the estimate follows the code that trains.
+Owns the arithmetic only: bytes per element of parameters, gradients, fp32 masters and optimizer state, whether the
+largest rank fits a device, and the search over layouts for a device count. What a rank holds is not re-derived
+here: the package's own pure plans run on the model (best built on the meta device) — `lightning_smp.build.plan`, the
+one the strategy applies, says which parameters each tensor-parallel rank keeps 1/tp of, which trunk children each
+stage keeps, which stages keep the modules outside the trunk and which modules sharded data parallelism shards; the
+pipeline schedule how many microbatches a stage holds at once — and the activations are measured by tracing one
+microbatch through the model as laid out (`activation_memory`), so the estimate follows the code that trains. Where
+the trace cannot run, the activations are unknown and so is whether a layout fits.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +24,14 @@ from torch import nn
 
 from lightning_smp import build
 from lightning_smp._compat import BatchNormBase
+from lightning_smp.activation_memory import (
+    AFTER,
+    BEFORE,
+    ActivationTrace,
+    TraceError,
+    example_batch,
+    trace_activations,
+)
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.layout import PipelineLayout
@@ -56,7 +66,6 @@ _SDP_ASSUMPTION = (
     "next unit prefetched while one computes, the root kept gathered between forward and backward, the "
     "communication buffers"
 )
-_TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 ASSUMPTIONS = (
     "optimizer: Adam-like, 2 states per trained element in the updated dtype (fp32 masters under fp16/bf16), "
@@ -111,9 +120,12 @@ class RankMemory:
     """fp32 gradients of the masters (0 in fp32 training)."""
     optimizer_state: int
     activations: int | None = None
-    """Activation bytes kept for backward per microbatch (None: not estimated)."""
+    """Activation bytes kept for backward per microbatch, measured (None: not measured; the report says why)."""
     in_flight: int = 1
     """Microbatches whose activations the stage holds at once under the schedule (pp = 1: all of the batch's)."""
+    recompute: int = 0
+    """Bytes backward adds once, for a moment: a checkpointed layer's activations rebuilt and, with
+    ``offload_activations``, the inputs of ``activation_loading_horizon`` + 1 layers loaded back."""
     step_buffer: int = 0
     """Bytes a step allocates and frees again: under ``shard_optimizer_state`` the flat gradients for the
     reduce-scatter, then the flat parameters for the all-gather (one at a time, the parameters' dtype); under
@@ -125,8 +137,9 @@ class RankMemory:
 
     @property
     def total(self) -> int:
-        """Model states, the step's transient buffer and the activations of every microbatch in flight."""
-        return self.model_states + self.step_buffer + (self.activations or 0) * self.in_flight
+        """Model states, the step's transient buffer, the activations of every microbatch in flight and what
+        backward rebuilds (unknown activations count as none: see `MemoryReport.fits`)."""
+        return self.model_states + self.step_buffer + (self.activations or 0) * self.in_flight + self.recompute
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +151,7 @@ class MemoryReport:
     ranks: tuple[RankMemory, ...]
     """One entry per pipeline stage."""
     activation_note: str
-    """How activations were estimated, or why they were not."""
+    """How the activations were measured, or why they were not."""
     device_memory: int | None = None
 
     @property
@@ -147,12 +160,15 @@ class MemoryReport:
 
     @property
     def fits(self) -> bool | None:
-        """Whether the largest rank fits ``device_memory`` (None when no device memory was given)."""
-        return None if self.device_memory is None else self.largest.total <= self.device_memory
+        """Whether the largest rank fits ``device_memory``; None when no device memory was given or the activations
+        could not be measured (``activation_note`` says why), never a guess."""
+        if self.device_memory is None or any(rank.activations is None for rank in self.ranks):
+            return None
+        return self.largest.total <= self.device_memory
 
     def table(self) -> str:
         header = ("stage", "ranks", "params", "grads", "masters", "master grads", "optimizer", "model states")
-        header += ("step buffer", "activations/mb", "in flight", "total")
+        header += ("step buffer", "activations/mb", "in flight", "recompute", "total")
         rows = [
             (
                 str(rank.stage),
@@ -163,6 +179,7 @@ class MemoryReport:
                 format_bytes(rank.step_buffer),
                 "-" if rank.activations is None else format_bytes(rank.activations),
                 str(rank.in_flight),
+                format_bytes(rank.recompute),
                 format_bytes(rank.total),
             )
             for rank in self.ranks
@@ -179,6 +196,8 @@ class MemoryReport:
                 if spare >= 0
                 else f"; does NOT fit in {format_bytes(self.device_memory)} ({format_bytes(-spare)} over)"
             )
+            if self.fits is None and spare >= 0:
+                verdict = f"; unknown whether it fits in {format_bytes(self.device_memory)}: activations not measured"
         lines.append(
             f"Largest rank: stage {largest.stage} (ranks {_ranks_text(largest.ranks)}), "
             f"{format_bytes(largest.total)}{verdict}."
@@ -193,6 +212,12 @@ class MemoryReport:
     def __str__(self) -> str:
         return self.table()
 
+    def plot(self, path: str | Path) -> Path:
+        """Draw the per-stage bars, stacked by kind, against the device memory into ``path`` (needs matplotlib)."""
+        from lightning_smp.memory_plot import plot_memory
+
+        return plot_memory(self, path)
+
 
 def estimate_memory(
     model: nn.Module,
@@ -200,6 +225,7 @@ def estimate_memory(
     config: SMPConfig | Mapping[str, Any] | None = None,
     world_size: int | None = None,
     device_memory: int | str | None = None,
+    batch: Any = None,
     micro_batch_size: int | None = None,
     sequence_length: int | None = None,
 ) -> MemoryReport:
@@ -209,7 +235,13 @@ def estimate_memory(
     (``with torch.device("meta"):``), which costs no memory. ``config`` is an `SMPConfig` or the `SMPStrategy`
     keyword arguments (``smp_options`` included); ``world_size`` defaults to the model-parallel degree (dp = 1).
     ``device_memory`` (bytes, or text such as ``"40GiB"``) adds the verdict whether the largest rank fits.
-    With ``micro_batch_size`` and ``sequence_length`` the activations of the transformer layers are estimated.
+
+    The activations are measured on ``batch``: one training batch of one data-parallel replica, as the dataloader
+    gives it (its tensors' shapes matter, not their values; real tensors are not touched), traced on the meta device
+    through ``training_step`` (or ``forward``). ``micro_batch_size`` and ``sequence_length`` resize it: every tensor's
+    dim 0 to ``micro_batch_size`` x ``microbatches``, dim 1 (of tensors with one) to ``sequence_length``; without a
+    batch a Hugging Face transformers model gets token ids of that size. Without either, or when the trace fails,
+    ``fits`` is None and the report says why.
     """
     config = SMPConfig.of(config)
     world_size = config.model_parallel_degree if world_size is None else world_size
@@ -221,7 +253,10 @@ def estimate_memory(
         config.shard_optimizer_state and dp > 1,
         config.sharded_data_parallel_degree,
     )
-    return _report(model, layout, config, _as_bytes(device_memory), micro_batch_size, sequence_length)
+    batch = example_batch(
+        model, batch, config=config, micro_batch_size=micro_batch_size, sequence_length=sequence_length
+    )
+    return _report(model, layout, config, _as_bytes(device_memory), batch, {})
 
 
 def fitting_layouts(
@@ -230,6 +265,7 @@ def fitting_layouts(
     devices: int,
     device_memory: int | str,
     config: SMPConfig | Mapping[str, Any] | None = None,
+    batch: Any = None,
     micro_batch_size: int | None = None,
     sequence_length: int | None = None,
 ) -> list[MemoryReport]:
@@ -242,10 +278,12 @@ def fitting_layouts(
     ``partition`` only where pp is the configured one. ``model`` may be a
     function of the tensor-parallel degree that builds the model, for models whose construction reads it
     (``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``). Layouts the model cannot take (a trunk with
-    fewer children than stages, a plan that does not divide) are left out."""
+    fewer children than stages, a plan that does not divide) are left out, and so are all layouts when the
+    activations cannot be measured (``batch`` etc. as for `estimate_memory`): none is known to fit then."""
     base = SMPConfig.of(config)
     memory = _as_bytes(device_memory)
     built: dict[int, nn.Module] = {}
+    traces: dict[tuple[int, bool], ActivationTrace | TraceError] = {}  # per tensor-parallel degree, pipelined or not
     found = []
     for degrees in _layouts(devices):
         for layout in _sharding_tries(degrees, base):
@@ -261,7 +299,14 @@ def fitting_layouts(
                 if not isinstance(model, nn.Module) and layout.tp not in built:
                     built[layout.tp] = model(layout.tp)
                 module = model if isinstance(model, nn.Module) else built[layout.tp]
-                report = _report(module, layout, layout_config, memory, micro_batch_size, sequence_length)
+                sized = example_batch(
+                    module,
+                    batch,
+                    config=layout_config,
+                    micro_batch_size=micro_batch_size,
+                    sequence_length=sequence_length,
+                )
+                report = _report(module, layout, layout_config, memory, sized, traces)
             except ValueError:
                 break  # the model cannot take these degrees; its own error says why when they are the configured ones
             if report.fits:
@@ -342,8 +387,8 @@ def _report(
     layout: Layout,
     config: SMPConfig,
     device_memory: int | None,
-    micro_batch_size: int | None,
-    sequence_length: int | None,
+    batch: Any,
+    traces: dict[tuple[int, bool], ActivationTrace | TraceError],
 ) -> MemoryReport:
     params = _named_parameters(model)
     built = build.plan(model, config=config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp)
@@ -355,7 +400,7 @@ def _report(
 
     fp32_owners = {id(p) for m in model.modules() if isinstance(m, BatchNormBase) for p in m.parameters()}
     half = config.half_dtype
-    activations, note = _activations(model, placement, layout.tp, sharded, half, micro_batch_size, sequence_length)
+    activations, recompute, note = _activations(model, placement, config, batch, traces)
     groups = rank_groups(config.placement_order, dp=layout.dp, pp=layout.pp, tp=layout.tp)["pp"]
     held = {key: placement.stages_of(names) for key, (_, names) in params.items()}  # once: it walks the plan
     ranks = []
@@ -370,6 +415,7 @@ def _report(
                 ranks=tuple(group[stage] for group in groups),
                 activations=None if activations is None else activations[stage],
                 in_flight=_in_flight(layout.pp, stage, config),
+                recompute=recompute[stage],
                 step_buffer=step_buffer,
                 **count,
             )
@@ -484,6 +530,14 @@ class _Placement:
     stages: int
     layout: PipelineLayout | None = None
 
+    def buckets_of(self, stage: int) -> list[str] | None:
+        """The `ActivationTrace` buckets ``stage`` runs: before the trunk on the first, its trunk children, after the
+        trunk on the last; None (all of them) without a pipeline."""
+        if self.layout is None:
+            return None
+        buckets = [str(child) for child in self.layout.plan.owned(stage)]
+        return [*([BEFORE] if stage == 0 else []), *buckets, *([AFTER] if stage == self.stages - 1 else [])]
+
     def stages_of(self, names: Sequence[str]) -> set[int]:
         """The stages holding what is registered under ``names`` (parameter or module names)."""
         return self.layout.holders(names) if self.layout is not None else {0}
@@ -509,38 +563,46 @@ def _in_flight(stages: int, stage: int, config: SMPConfig) -> int:
 def _activations(
     model: nn.Module,
     placement: _Placement,
-    tp: int,
-    sharded: set[int],
-    half: torch.dtype | None,
-    micro_batch_size: int | None,
-    sequence_length: int | None,
-) -> tuple[list[int] | None, str]:
-    """Per stage, the bytes one microbatch leaves for backward in its transformer layers (Korthikanti et al. 2022,
-    Table 2, no sequence parallelism, no recomputation): s·b·h·(34 + 5·a·s/h) per layer, or
-    s·b·h·(10 + 24/t + 5·a·s/(h·t)) for a layer split t ways; doubled for fp32 activations."""
-    layers = [(name, m) for name, m in model.named_modules() if isinstance(m, _TRANSFORMER_LAYERS)]
-    if not layers:
-        return None, (
-            "not estimated: the model has no nn.TransformerEncoderLayer / nn.TransformerDecoderLayer to read the "
-            "hidden size and head count from."
+    config: SMPConfig,
+    batch: Any,
+    traces: dict[tuple[int, bool], ActivationTrace | TraceError],
+) -> tuple[list[int] | None, list[int], str]:
+    """Per stage, the bytes one microbatch keeps for backward and what its backward rebuilds, measured by tracing
+    ``batch`` through ``model`` as ``config`` lays it out (`trace_activations`; ``traces`` caches one trace per
+    tensor-parallel degree); or None and why not."""
+    stages = placement.stages
+    if batch is None:
+        return (
+            None,
+            [0] * stages,
+            (
+                "not measured: give a batch (batch=..., or micro_batch_size and sequence_length for a Hugging Face "
+                "model; the command line reads one from the config's data), so whether it fits is unknown."
+            ),
         )
-    if micro_batch_size is None or sequence_length is None:
-        return None, "not estimated: give micro_batch_size and sequence_length (--micro-batch-size, --sequence-length)."
-    s, b = sequence_length, micro_batch_size
-    scale = 2 if half is None else 1  # the formula counts 2-byte activations
-    per_stage = [0] * placement.stages
-    shapes = set()
-    for name, layer in layers:
-        h, a = layer.self_attn.embed_dim, layer.self_attn.num_heads
-        shapes.add((h, a))
-        t = tp if any(id(p) in sharded for p in layer.parameters()) else 1
-        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) if t > 1 else s * b * h * (34 + 5 * a * s / h)
-        for stage in placement.stages_of([name]):
-            per_stage[stage] += int(per_layer * scale)
-    described = ", ".join(f"h={h}, a={a}" for h, a in sorted(shapes))
-    return per_stage, (
-        f"{len(layers)} transformer layer(s) ({described}), micro batch {b} x sequence {s}, by Korthikanti et al. "
-        "2022 (Table 2: no sequence parallelism, no recomputation); embeddings, logits and the loss are not counted."
+    key = (config.tensor_parallel_degree, config.pipeline_parallel_degree > 1)
+    if key not in traces:
+        try:
+            traces[key] = trace_activations(model, batch, config=config)
+        except TraceError as error:
+            traces[key] = error
+    trace = traces[key]
+    if isinstance(trace, TraceError):
+        return None, [0] * stages, f"not measured, so whether it fits is unknown: {trace}"
+    buckets = [placement.buckets_of(stage) for stage in range(stages)]
+    features = [f"tp={config.tensor_parallel_degree}"] if config.tensor_parallel_degree > 1 else []
+    if config.sequence_parallel and config.tensor_parallel_degree > 1:
+        features.append("sequence parallel")
+    if any(trace.transient.values()):
+        features.append("checkpointed layers rebuilt one at a time in backward (recompute)")
+    if config.offload_activations:
+        features.append(f"offloaded inputs loaded back {config.activation_loading_horizon} layer(s) ahead")
+    return (
+        [trace.kept(stage) for stage in buckets],
+        [trace.peak_transient(stage) for stage in buckets],
+        f"measured: one microbatch ({trace.microbatch}) traced forward and backward on the meta device"
+        + (f" ({', '.join(features)})" if features else "")
+        + "; every tensor autograd keeps for backward, logits and loss included, attention as the fused kernel.",
     )
 
 

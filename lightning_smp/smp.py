@@ -22,11 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch.optim import Optimizer
 
 from lightning_smp import activation_checkpointing as _activation_checkpointing
 from lightning_smp import checkpoint as _checkpoint
 from lightning_smp.config import SMPConfig
+from lightning_smp.delayed_init import deferred_init
 from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
 from lightning_smp.tensor_parallel import nn
@@ -51,6 +53,7 @@ __all__ = [
     "allgather",
     "barrier",
     "broadcast",
+    "delay_param_initialization",
     "dp_barrier",
     "dp_rank",
     "dp_size",
@@ -62,6 +65,9 @@ __all__ = [
     "get_tp_process_group",
     "get_world_process_group",
     "init",
+    "is_initialized",
+    "is_tracing",
+    "load",
     "local_rank",
     "local_size",
     "model_creation",
@@ -69,6 +75,7 @@ __all__ = [
     "mp_rank",
     "mp_size",
     "nn",
+    "num_microbatches",
     "partition",
     "pp_barrier",
     "pp_rank",
@@ -80,6 +87,7 @@ __all__ = [
     "rdp_size",
     "recv_from",
     "resume_from_checkpoint",
+    "save",
     "save_checkpoint",
     "send",
     "set_activation_checkpointing",
@@ -92,6 +100,8 @@ __all__ = [
     "tensor_parallelism",
     "tp_barrier",
     "tp_rank",
+    "tp_register",
+    "tp_register_with_module",
     "tp_size",
 ]
 
@@ -220,6 +230,16 @@ _COLLECTIVES_AFTER_A_RUN = (
 )
 
 
+def __getattr__(name: str) -> Any:
+    # smp's names lightning_smp does not provide, with what replaces each (PEP 562)
+    if name == "amp":
+        raise AttributeError(
+            "smp.amp is not provided by lightning_smp: fp16 with fp32 master weights and smp's loss scaling is "
+            "SMPStrategy(fp16=True) (or strategy='smp_fp16'); remove the smp.amp calls."
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # -- configuration -------------------------------------------------------------------------------------------
 
 
@@ -247,6 +267,21 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         "Trainer(strategy=lightning_smp.SMPStrategy.from_smp_options(smp_options)) or "
         "SMPStrategy(pipeline_parallel_degree=..., microbatches=...), and remove the smp.init() call."
     )
+
+
+def is_initialized() -> bool:
+    """smp's ``smp.is_initialized()``: whether a run is under way (``smp.state.initialized``)."""
+    return _record.running
+
+
+def is_tracing() -> bool:
+    """smp's ``smp.is_tracing()``: always False, as lightning_smp never traces the model."""
+    return False
+
+
+def num_microbatches() -> int:
+    """smp's ``smp.num_microbatches()``: the run's ``microbatches`` (the last run's, or 1 before any)."""
+    return _record.config.microbatches
 
 
 def DistributedModel(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -514,6 +549,19 @@ def model_creation(
             torch.set_default_dtype(previous_dtype)
 
 
+@contextmanager
+def delay_param_initialization(enabled: bool = True) -> Generator[None, None, None]:
+    """smp's ``smp.delay_param_initialization``: modules created inside get no memory (meta tensors whose
+    initialisation is recorded) until the strategy sets the model up and materialises, per rank, only what the rank
+    keeps, with the values an eager build with the same seed gives (`delayed_init`). Works in ``configure_model``
+    and in ``__init__``; ``enabled=False`` builds as usual."""
+    if not enabled:
+        yield
+        return
+    with deferred_init():
+        yield
+
+
 # -- pipeline placement ----------------------------------------------------------------------------------------
 
 
@@ -540,30 +588,87 @@ def set_activation_checkpointing(
     _activation_checkpointing.set_activation_checkpointing(module, preserve_rng_state, pack_args_as_tuple, strategy)
 
 
+def tp_register(dist_module: Any, init_hook: Any = None, forward_hook: Any = None, return_hook: Any = None) -> Any:
+    """smp's ``@smp.tp_register(smp.nn.DistributedX)`` paired a custom module with one of smp's distributed modules;
+    lightning_smp splits modules by plan instead."""
+    raise RuntimeError(_TP_REGISTER_INSTEAD.format(call="smp.tp_register"))
+
+
+def tp_register_with_module(module_cls: Any, dist_module: Any, *args: Any, **kwargs: Any) -> None:
+    """smp's ``smp.tp_register_with_module``: see `tp_register`."""
+    raise RuntimeError(_TP_REGISTER_INSTEAD.format(call="smp.tp_register_with_module"))
+
+
+_TP_REGISTER_INSTEAD = (
+    "{call}() is not needed with lightning_smp: modules are split by plan, not by registered smp.nn modules. Name "
+    "the custom module's layers in SMPStrategy(tensor_parallel_plan={{'blocks.*.fc': 'colwise', 'blocks.*.proj': "
+    "'rowwise'}}) (docs/tensor-parallelism.md, Plan styles), or build it from torch layers lightning_smp splits by "
+    "itself (nn.TransformerEncoderLayer, nn.MultiheadAttention, nn.Embedding) under "
+    "smp.model_creation(tensor_parallelism=True); then remove the {call} call."
+)
+
+
 # -- optimizer -----------------------------------------------------------------------------------------------
+
+
+_SMP_SCALING = MappingProxyType({"static_loss_scale": 1.0, "dynamic_loss_scale": False, "dynamic_loss_args": None})
+"""smp.DistributedOptimizer's loss-scale defaults."""
+_NOT_GIVEN: Any = object()
 
 
 def DistributedOptimizer(
     optimizer: Optimizer,
-    static_loss_scale: float | None = 1.0,
-    dynamic_loss_scale: bool = False,
-    dynamic_loss_args: Mapping[str, Any] | None = None,
+    static_loss_scale: float | None = _NOT_GIVEN,
+    dynamic_loss_scale: bool = _NOT_GIVEN,
+    dynamic_loss_args: Mapping[str, Any] | None = _NOT_GIVEN,
 ) -> Optimizer:
-    """smp's optimizer wrapper, with smp's defaults (a static scale of 1.0 unless ``dynamic_loss_scale``).
+    """smp's optimizer wrapper, with smp's defaults (``static_loss_scale=1.0``, ``dynamic_loss_scale=False``).
 
     With ``fp16`` or ``bf16`` set on the strategy it returns the `MasterWeightOptimizer` that the strategy would
     otherwise build (``optimizer.optimizer`` is the inner one; Lightning does not wrap it again); in fp32 it
-    returns ``optimizer`` unchanged.
+    returns ``optimizer`` unchanged. In fp16, when smp's defaults for the settings not given replace loss scaling
+    configured otherwise on the strategy (its default is dynamic), it warns: pass them here, or return the plain
+    optimizer from ``configure_optimizers`` and let the strategy wrap it with its own.
     """
     run = _running("DistributedOptimizer", "build optimizers in configure_optimizers")
     if run.wrap_optimizer is None:  # fp32
         return optimizer
+    given = {"static_loss_scale": static_loss_scale, "dynamic_loss_scale": dynamic_loss_scale}
+    given = {**given, "dynamic_loss_args": dynamic_loss_args}
+    given = {name: value for name, value in given.items() if value is not _NOT_GIVEN}
+    settings = {**_SMP_SCALING, **given}
+    if run.config.fp16:
+        _warn_if_defaults_override(run.config, settings, given)
     return run.wrap_optimizer(
         optimizer,
-        dynamic_loss_scale=dynamic_loss_scale,
-        static_loss_scale=1.0 if static_loss_scale is None else static_loss_scale,
-        dynamic_loss_args=dict(dynamic_loss_args or {}),
+        dynamic_loss_scale=settings["dynamic_loss_scale"],
+        static_loss_scale=1.0 if settings["static_loss_scale"] is None else settings["static_loss_scale"],
+        dynamic_loss_args=dict(settings["dynamic_loss_args"] or {}),
     )
+
+
+def _warn_if_defaults_override(config: SMPConfig, settings: Mapping[str, Any], given: Mapping[str, Any]) -> None:
+    """Warn when smp.DistributedOptimizer's defaults (for the settings not ``given``) make another loss scaler than
+    the strategy's ``config`` would with the same ``given`` settings."""
+    configured = {name: getattr(config, name) for name in _SMP_SCALING}
+    if _scaler(settings) == _scaler({**configured, **given}):
+        return
+    taken = ", ".join(f"{name}={settings[name]!r}" for name in _SMP_SCALING if name not in given)
+    kind, value = _scaler(configured)
+    strategy = f"dynamic, {value or 'smp defaults'}" if kind == "dynamic" else f"static, scale {value}"
+    rank_zero_warn(
+        f"smp.DistributedOptimizer(optimizer) takes smp's defaults for what it was not given ({taken}), which replace "
+        f"the strategy's loss scaling ({strategy}); with a static scale of 1 small fp16 gradients underflow to zero. "
+        "Pass the loss-scale arguments to smp.DistributedOptimizer (e.g. dynamic_loss_scale=True), or return the "
+        "plain optimizer from configure_optimizers and let the strategy wrap it with its own settings."
+    )
+
+
+def _scaler(settings: Mapping[str, Any]) -> tuple[str, Any]:
+    """The loss scaler ``settings`` make: ("dynamic", its args) or ("static", its scale)."""
+    if settings["dynamic_loss_scale"]:
+        return "dynamic", dict(settings["dynamic_loss_args"] or {})
+    return "static", 1.0 if settings["static_loss_scale"] is None else float(settings["static_loss_scale"])
 
 
 # -- checkpoints -----------------------------------------------------------------------------------------------
@@ -592,6 +697,24 @@ def save_checkpoint(
     if run.ranks["world"] == 0:
         _checkpoint.record_newest(path, tag, keep=num_kept_partial_checkpoints)
     dist.barrier(group=run.group("world"))
+
+
+def save(obj: Any, f: Any, partial: bool = True, **kwargs: Any) -> None:
+    """smp's ``smp.save`` wrote ``obj`` per rank (``partial``) or once; lightning_smp saves the run's state itself."""
+    raise RuntimeError(_SAVE_INSTEAD.format(call="smp.save"))
+
+
+def load(f: Any, partial: bool = True, **kwargs: Any) -> Any:
+    """smp's ``smp.load``: see `save`."""
+    raise RuntimeError(_SAVE_INSTEAD.format(call="smp.load"))
+
+
+_SAVE_INSTEAD = (
+    "{call}() is not provided by lightning_smp: save the training state with trainer.save_checkpoint(path) or "
+    "smp.save_checkpoint(path, tag) (sharded, loadable under any layout), make one file of it with "
+    "lightning_smp.consolidate_checkpoint(path), and save other objects with torch.save / torch.load on the ranks "
+    "you choose (e.g. `if smp.rank() == 0:`)."
+)
 
 
 def resume_from_checkpoint(

@@ -5,7 +5,8 @@ once the process group exists it builds the `Topology`, hands the `smp` facade i
 split for this rank (`build`: tensor parallelism, activation checkpointing, the pipeline stage, sharded data
 parallelism, materialisation), whose pipeline engine then runs every step and settles the stages at the end of each
 loop; it owns the precision plugin (Lightning would otherwise replace
-it, see reference/lightning-2.6.md), samples data by data-parallel rank, reduces logged values over the replicas,
+it, see reference/lightning-2.6.md), samples data and feeds each step the batch its tensor-parallel
+group trains on as ``prescaled_batch`` says (`tp_batches`), reduces logged values over the replicas,
 saves and loads sharded checkpoints (`checkpoint`), ends every rank on a failure and frees the process groups at
 exit after a success (`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
 backward-overlapped gradient all-reduce are DDP's; with one replica, under pipeline parallelism (whose engine
@@ -15,8 +16,9 @@ all-reduces itself) or with sharded optimizer state (whose optimizer reduce-scat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from os import PathLike
@@ -39,7 +41,7 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_smp import build, fault_tolerance, tensor_parallel
+from lightning_smp import build, fault_tolerance, tensor_parallel, tp_batches
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
@@ -64,7 +66,19 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SMPStrategy", "register_strategies"]
 
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(SMPConfig)}
+_SETTINGS = frozenset(field.name for field in dataclasses.fields(SMPConfig))
+
+
+def _records_given_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """``SMPStrategy.__init__`` learns which keyword arguments its caller gave, not only their values: a setting
+    given explicitly wins over ``smp_options``, even when it equals the default (`SMPConfig.from_sources`)."""
+
+    @functools.wraps(init)
+    def init_recording_given(self: SMPStrategy, **kwargs: Any) -> None:
+        self._given_settings = _SETTINGS.intersection(kwargs)
+        init(self, **kwargs)
+
+    return init_recording_given
 
 
 class SMPStrategy(DDPStrategy):
@@ -83,6 +97,7 @@ class SMPStrategy(DDPStrategy):
 
     strategy_name = "smp"
 
+    @_records_given_keywords
     def __init__(
         self,
         *,
@@ -125,6 +140,7 @@ class SMPStrategy(DDPStrategy):
         partition: list[int] | None = None,
         virtual_stages: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
+        sequence_parallel: bool = False,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -137,14 +153,15 @@ class SMPStrategy(DDPStrategy):
         find_unused_parameters: bool = False,
     ) -> None:
         arguments = locals()
-        explicit = {name: arguments[name] for name in _DEFAULTS if arguments[name] != _DEFAULTS[name]}
+        explicit = {name: arguments[name] for name in self._given_settings}
         self._config = SMPConfig.from_sources(explicit, smp_options=smp_options)
-        for line in self._config.inactive_settings():
+        for line in [*self._config.deprecated_settings(), *self._config.inactive_settings()]:
             rank_zero_warn(line)
         self._topology: Topology | None = None
         self._sigterm = fault_tolerance.SchedulerSignal()
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
+        self._checked_batches: set[str] = set()  # the steps whose first batch `tp_batches.check_batches` compared
         self.failed = False
         """Whether the last fit/validate/test ended in an exception (then the process groups stay at exit)."""
         super().__init__(
@@ -269,6 +286,7 @@ class SMPStrategy(DDPStrategy):
         # (delayed initialisation); parallelise it before Lightning converts its precision, moves it and builds the
         # optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
+        self._checked_batches.clear()  # each run's loops check their first batch again
         _reduce_metrics_over_replicas(self.model, self.topology)
         self._sigterm.install(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -304,9 +322,10 @@ class SMPStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # Each data-parallel replica reads its own shard; tensor/pipeline ranks of one replica read the same.
-        topology = self.topology
-        return {"num_replicas": topology.size("dp"), "rank": topology.rank("dp")}
+        # smp's data parallelism: with prescaled_batch=False each tensor-parallel rank reads its own shard too (smp's
+        # dp = rdp x tp), with True the ranks of a tensor-parallel group read one; pipeline stages read the same.
+        axis = tp_batches.sampler_axis(self._config.prescaled_batch)
+        return {"num_replicas": self.topology.size(axis), "rank": self.topology.rank(axis)}
 
     @override
     def configure_ddp(self) -> None:
@@ -349,6 +368,7 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, own = self._tp_group_batch("training_step", args)
         if self._pipeline is None:
             output = self._unpipelined_step("training_step", args, kwargs)
         else:
@@ -360,25 +380,28 @@ class SMPStrategy(DDPStrategy):
                 grad_divisor=self.lightning_module.trainer.accumulate_grad_batches,
             )
         self._log_loss_scale()
-        return output
+        return own(output)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, own = self._tp_group_batch("validation_step", args)
         if self._pipeline is None:
-            return self._unpipelined_step("validation_step", args, kwargs)
-        return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step"))
+            return own(self._unpipelined_step("validation_step", args, kwargs))
+        return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step")))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, own = self._tp_group_batch("test_step", args)
         if self._pipeline is None:
-            return self._unpipelined_step("test_step", args, kwargs)
-        return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step"))
+            return own(self._unpipelined_step("test_step", args, kwargs))
+        return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step")))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        args, own = self._tp_group_batch("predict_step", args)
         if self._pipeline is None:
-            return self._unpipelined_step("predict_step", args, kwargs)
-        return self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step"))
+            return own(self._unpipelined_step("predict_step", args, kwargs))
+        return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step")))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
@@ -414,6 +437,20 @@ class SMPStrategy(DDPStrategy):
             yield
         finally:
             self._grad_sync_blocked = False
+
+    def _tp_group_batch(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Callable[[Any], Any]]:
+        """The step's arguments with the batch (``args[0]``) its tensor-parallel group trains on, as
+        ``prescaled_batch`` defines it (`tp_batches`), and the function that cuts the step's output back to this
+        rank's samples. The first batch of each loop is checked against the setting."""
+        if self.topology.tp == 1 or not args:
+            return args, _whole
+        if name not in self._checked_batches:
+            tp_batches.check_batches(args[0], topology=self.topology, prescaled_batch=self._config.prescaled_batch)
+            self._checked_batches.add(name)
+        if self._config.prescaled_batch:
+            return args, _whole
+        combined = tp_batches.combine(args[0], group=self.topology.group("tp"))
+        return (combined.batch, *args[1:]), combined.own
 
     def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._sharded:
@@ -597,6 +634,10 @@ class SMPStrategy(DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         register_strategies(strategy_registry)
+
+
+def _whole(output: Any) -> Any:
+    return output
 
 
 def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:

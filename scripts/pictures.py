@@ -9,7 +9,9 @@
 - ``tp-split``: ``tp_split.png``: the tensor-parallel plan of ``examples/gpt_char.py``'s GPT at tp=4
   (`plan_tensor_parallel`; seconds);
 - ``loss-scale``: ``fp16_loss_scale.png``: an fp16 run of ``examples/digits_cnn.py``'s CNN, 5 epochs (under two
-  minutes of CPU).
+  minutes of CPU);
+- ``memory``: ``llama3_8b.png``: the memory planner's chart of ``examples/configs/llama3_8b.yaml`` (Llama-3-8B's
+  shape on 8 x 40 GB at 8192 tokens; ``lightning-smp estimate --plot``, its activations traced on the meta device).
 
 tests/test_docs_site.py checks that every file here exists and that a docs page shows it (and that every picture a
 page shows is one of these), and draws the cheap ones again.
@@ -197,10 +199,21 @@ def draw_loss_scale(out: Path, max_steps: int = -1) -> None:
     plt.close(figure)
 
 
+def draw_memory(out: Path) -> None:
+    """The planner's per-stage chart of Llama-3-8B's shape on pp=2 x tp=4 with sequence parallelism, 8 x 40 GB."""
+    sys.path.insert(0, str(_ROOT))
+    from lightning_smp import cli
+
+    command = ["estimate", "--config", str(_ROOT / "examples" / "configs" / "llama3_8b.yaml")]
+    command += ["--device-memory", "40GB", "--micro-batch-size", "1", "--sequence-length", "8192"]
+    cli.main([*command, "--plot", str(out / "llama3_8b.png")])
+
+
 PICTURES = {
     "pipeline": Picture(tuple(f"pipeline_{p}.png" for p in PIPELINES), draw_pipelines, cheap=False),
     "tp-split": Picture(("tp_split.png",), draw_tp_split, cheap=True),
     "loss-scale": Picture(("fp16_loss_scale.png",), draw_loss_scale, cheap=False),
+    "memory": Picture(("llama3_8b.png",), draw_memory, cheap=False),
 }
 
 

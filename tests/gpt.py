@@ -39,14 +39,25 @@ class TinyGPT(pl.LightningModule):
         vocab: the vocabulary size.
         ff: the width of each layer's feed-forward network.
         activation: the feed-forward network's activation, as ``nn.TransformerEncoderLayer`` takes it.
+        dropout: of the residual stream only (none in the attention or the feed-forward network), where one device
+            draws the same masks as a tensor-parallel layout.
+        checkpointing: checkpoint every layer (``smp.set_activation_checkpointing``).
     """
 
     def __init__(
-        self, *, vocab_parallel: bool = False, vocab: int = VOCAB, ff: int = 2 * WIDTH, activation: str = "relu"
+        self,
+        *,
+        vocab_parallel: bool = False,
+        vocab: int = VOCAB,
+        ff: int = 2 * WIDTH,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        checkpointing: bool = False,
     ) -> None:
         super().__init__()
         self.vocab_parallel = vocab_parallel
         self.vocab, self.ff, self.activation = vocab, ff, activation
+        self.dropout, self.checkpointing = dropout, checkpointing
         self.blocks: nn.ModuleList | None = None
 
     def configure_model(self) -> None:
@@ -59,10 +70,12 @@ class TinyGPT(pl.LightningModule):
             self.pos = nn.Embedding(SEQ, WIDTH)
             self.blocks = nn.ModuleList(
                 nn.TransformerEncoderLayer(
-                    WIDTH, HEADS, self.ff, dropout=0.0, activation=self.activation, batch_first=True, norm_first=True
+                    WIDTH, HEADS, self.ff, self.dropout, activation=self.activation, batch_first=True, norm_first=True
                 )
                 for _ in range(2)
             )
+            for block in self.blocks:
+                block.dropout.p, block.self_attn.dropout = 0.0, 0.0
             self.norm = nn.LayerNorm(WIDTH)
             self.head = (
                 smp.nn.DistributedLMHead(WIDTH, self.vocab)
@@ -70,6 +83,8 @@ class TinyGPT(pl.LightningModule):
                 else nn.Linear(WIDTH, self.vocab, bias=False)
             )
         self.head.weight = self.tok.weight
+        if self.checkpointing:
+            smp.set_activation_checkpointing(self.blocks)
 
     def forward(self, ids: Tensor) -> Tensor:
         h = self.tok(ids) + self.pos(torch.arange(ids.shape[1]))  # (B, T, W)
@@ -87,8 +102,9 @@ class TinyGPT(pl.LightningModule):
 
 
 class AdamWGPT(TinyGPT):
-    """`TinyGPT` trained on 32 random sequences in batches of 8 with AdamW and a per-step StepLR, so that optimizer
-    state and the LR schedule cross a checkpoint."""
+    """`TinyGPT` trained on 32 random sequences in steps of 8 per model replica with AdamW and a per-step StepLR, so
+    that optimizer state and the LR schedule cross a checkpoint. Each tensor-parallel rank reads its share of the 8
+    (``prescaled_batch=False``), so every layout steps on the same samples."""
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.loss(batch)
@@ -98,7 +114,7 @@ class AdamWGPT(TinyGPT):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": StepLR(optimizer, 3, 0.5), "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8)
+        return DataLoader(TensorDataset(*token_batches(seed=1, samples=32)), batch_size=8 // smp.tp_size())
 
 
 class BlockGPT(pl.LightningModule):

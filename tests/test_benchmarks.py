@@ -15,7 +15,7 @@ from benchmarks.pipeline_bench import PIPELINES
 _REPO = Path(__file__).resolve().parents[1]
 
 
-def _run(script: str, *args: str) -> str:
+def _run(script: str, *args: str, timeout: float = 240) -> str:
     """Run ``benchmarks/<script>`` in a fresh interpreter; returns its stdout, fails with its stderr's tail."""
     try:
         done = subprocess.run(
@@ -23,10 +23,10 @@ def _run(script: str, *args: str) -> str:
             cwd=_REPO,
             capture_output=True,
             text=True,
-            timeout=240,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{script} {' '.join(args)} ran past 240 s", pytrace=False)
+        pytest.fail(f"{script} {' '.join(args)} ran past {timeout} s", pytrace=False)
     assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
     return done.stdout
 
@@ -127,6 +127,15 @@ def test_tp_memory_reports_every_layout() -> None:
     stdout = _run("tp_memory.py")
     for tp in (1, 2, 4):
         assert f"tp={tp}: largest per-rank block state" in stdout
+
+
+@pytest.mark.timeout(900)  # four launches of two ranks
+def test_sequence_parallel_times_ours_and_torchs_plan_on_the_same_llama(tmp_path: Path) -> None:
+    out = tmp_path / "time.json"
+    _run("sequence_parallel.py", "time", "--size", "smoke", "--steps", "1", "--out", str(out), timeout=850)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["layout"] for row in rows] == ["tp2", "tp2+sp", "torch-tp2", "torch-tp2+sp"]
+    assert all(_positive(row[key]) for row in rows for key in ("step_seconds", "cpu_seconds", "cpu_of_ours_tp2"))
 
 
 def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path) -> None:

@@ -184,7 +184,7 @@ def test_estimate_prints_the_configured_layout_and_the_layouts_that_fit(
     out = capsys.readouterr().out
     assert f"Memory per rank, {_LAYOUT_LINES[name]}, fp16 with fp32 masters:" in out
     assert "Largest rank: stage 0" in out and "fits in 1.0 GiB" in out
-    assert "transformer layer(s) (h=64, a=4), micro batch 8 x sequence 64" in out
+    assert "measured: one microbatch ((8, 64), (8, 64)) traced forward and backward on the meta device" in out
     assert "Layouts of 8 device(s) that fit 1.0 GiB per device" in out
     # the tp layouts are built tensor-parallel (smp.tp_size() > 1 in configure_model, under smp.preview): tp=2 holds
     # about half of one device's model states per rank
@@ -205,6 +205,24 @@ def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys
         cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml"), "--device-memory", "40 gigs"])
     assert "'40 gigs' is not a size" in capsys.readouterr().err
     cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml")])
-    out = capsys.readouterr().out
-    assert "pp=1 x tp=2 x dp=1" in out and "not estimated: give micro_batch_size and sequence_length" in out
+    out = capsys.readouterr().out  # the activations of a batch of the config's data, as it comes: 32 x 64
+    assert "pp=1 x tp=2 x dp=1" in out and "measured: one microbatch ((32, 64), (32, 64))" in out
     assert "PL_GLOBAL_SEED" not in os.environ  # a plan seeds nothing: processes started later build their own
+
+
+def test_estimate_draws_the_memory_of_each_stage_against_the_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    monkeypatch.chdir(_ROOT)
+    chart = tmp_path / "memory.png"
+    cli.main(["estimate", "--config", str(_CONFIGS / "pp.yaml"), "--device-memory", "64MiB", "--plot", str(chart)])
+    assert f"Wrote the chart to {chart}." in capsys.readouterr().out
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
+
+
+def test_a_setting_left_out_of_the_yaml_does_not_override_smp_options(tmp_path: Path) -> None:
+    # LightningCLI passes every default; only the settings the YAML writes count as given (a written default too).
+    init_args = {"smp_options": {"parameters": {"microbatches": 4, "fp16": True}}, "tensor_parallel_seed": 3}
+    strategy = _parse(tmp_path, {"strategy": {"class_path": "lightning_smp.SMPStrategy", "init_args": init_args}})
+    assert strategy.config == SMPConfig(microbatches=4, fp16=True, tensor_parallel_seed=3)

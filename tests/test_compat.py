@@ -152,6 +152,12 @@ def test_torch_fsdp_per_parameter_placement():
     assert set(inspect.signature(_compat.ShardPlacementResult).parameters) == {"placement", "mesh_info"}
 
 
+def test_torch_flash_attention_for_cpu_keeps_the_output_and_a_logsumexp():
+    q = k = v = torch.empty(2, 4, 8, 16, device="meta")  # batch, heads, sequence, head dim
+    output, logsumexp = _compat.flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=None, scale=None)
+    assert output.shape == (2, 4, 8, 16) and logsumexp.shape == (2, 4, 8)
+
+
 def test_torch_modules_and_their_tables():
     assert all(issubclass(c, _compat.BatchNormBase) for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm))
     linear = nn.Linear(2, 3)

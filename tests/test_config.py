@@ -16,7 +16,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from lightning_smp import config as config_module
-from lightning_smp.config import _INACTIVE_SETTINGS, _OWN_FIELDS, SMPConfig
+from lightning_smp.config import _INACTIVE_SETTINGS, _OWN_FIELDS, SMP_REQUIREMENTS_NOT_ENFORCED, SMPConfig
+from lightning_smp.smp_options import INTERNAL_SETTINGS
 
 # smdistributed-modelparallel 1.12/1.13 defaults (config.yaml schema; ddp_dist_backend "auto" since 1.13).
 SMP_DEFAULTS = {
@@ -403,12 +404,14 @@ def test_from_sources_merges_defaults_options_and_kwargs():
     )
 
 
-def test_from_sources_rejects_conflicting_options_and_kwargs():
-    with pytest.raises(
-        ValueError,
-        match=r"microbatches is given twice with different values: 4 in smp_options and 8 as a keyword arg",
-    ):
-        SMPConfig.from_sources({"microbatches": 8}, smp_options=PASTED, environ={})
+def test_a_keyword_wins_over_smp_options_with_a_warning_even_at_its_default():
+    with pytest.warns(UserWarning, match=r"microbatches=8 given as a keyword argument overrides microbatches=4 in "):
+        assert SMPConfig.from_sources({"microbatches": 8}, smp_options=PASTED, environ={}).microbatches == 8
+    with pytest.warns(UserWarning, match=r"microbatches=1 given as a keyword argument overrides microbatches=4"):
+        assert SMPConfig.from_sources({"microbatches": 1}, smp_options=PASTED, environ={}).microbatches == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # agreeing with smp_options is silent
+        assert SMPConfig.from_sources({"microbatches": 4}, smp_options=PASTED, environ={}).microbatches == 4
 
 
 def test_from_sources_kwargs_accept_the_alias_and_suggest_names():
@@ -459,14 +462,112 @@ def test_bad_environment_variable(raw, match):
 
 def test_inactive_settings_lists_only_changed_ones():
     assert SMPConfig().inactive_settings() == []
-    cfg = SMPConfig(horovod=True, ddp=True, ddp_dist_backend="nccl", fp16=True, offload_activations=True)
+    cfg = SMPConfig(ddp=True, ddp_dist_backend="nccl", fp16=True, offload_activations=True, contiguous=False)
     assert cfg.inactive_settings() == [
         "ddp=True has no effect in lightning_smp yet: data parallelism is always on "
         "(data parallel degree = world size / (pp * tp))",
         "ddp_dist_backend='nccl' has no effect in lightning_smp yet: Lightning picks the backend: "
         "NCCL on GPU, gloo on CPU",
-        "horovod=True has no effect in lightning_smp yet: data parallelism runs on torch.distributed, never Horovod",
+        "contiguous=False has no effect in lightning_smp yet: it is a TensorFlow-only smp setting",
     ]
+    assert SMPConfig(horovod=True).inactive_settings() == [
+        "horovod=True has no effect in lightning_smp yet: data parallelism runs on torch.distributed, never Horovod"
+    ]
+
+
+# --- smp v1's whole schema ------------------------------------------------------------------------------
+
+# Every key of smdistributed-modelparallel's config.yaml (1.12-1.15) and of the SageMaker SDK's parameter table, with
+# smp's default; `partitions` is the schema's alias of pipeline_parallel_degree.
+SMP_SCHEMA = {
+    **{name: value for name, value in SMP_DEFAULTS.items() if name != "active_microbatches"},
+    "active_microbatches": None,
+    "fast_mode": False,
+    "static_mode": False,
+    "task_level_activation_loading_horizon": 4,
+    "_shard_offloaded_activations": True,
+    "_match_weights": False,
+    "_fp32_grad_accumulation": False,
+    "checkpoint_attentions": False,
+    "herring": False,
+    "_sharded_data_parallelism_config": None,
+    "load_partition": False,
+    "partition_file": None,
+}
+
+
+def test_every_key_of_smps_schema_is_accepted_at_its_default_silently():
+    assert len(SMP_SCHEMA) == 43
+    assert set(SMP_SCHEMA) == (set(SMP_DEFAULTS) | set(INTERNAL_SETTINGS))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = SMPConfig.from_smp_options({"enabled": True, "parameters": SMP_SCHEMA})
+        assert cfg == SMPConfig()
+        environ = {"SM_HP_MP_PARAMETERS": json.dumps({**SMP_SCHEMA, "partitions": 1})}
+        assert SMPConfig.from_sources({}, environ=environ) == SMPConfig()
+
+
+@pytest.mark.parametrize(("name", "value"), [("fast_mode", True), ("_match_weights", True), ("partition_file", "p")])
+def test_an_internal_smp_setting_changed_warns_once_with_what_it_did(name, value):
+    with pytest.warns(UserWarning) as record:
+        assert SMPConfig.from_smp_options({name: value}) == SMPConfig()
+    assert [str(w.message) for w in record] == [
+        f"{name}={value!r} has no effect in lightning_smp: on SageMaker it {INTERNAL_SETTINGS[name].did}; "
+        f"{INTERNAL_SETTINGS[name].why}."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("parameters", "match"),
+    [
+        ({"fast_mode": 1}, r"fast_mode=1 in smp_options is invalid; smp takes bool: .*\(smp's default False\)"),
+        ({"task_level_activation_loading_horizon": 0}, r"task_level_activation_loading_horizon=0 .* int >= 1"),
+        ({"partition_file": 3}, r"partition_file=3 in smp_options is invalid; smp takes str or None"),
+        ({"herring": True, "ddp": True}, r"herring=True needs ddp=False and horovod=False, as smp required"),
+        ({"_fp32_grad_accumulation": True}, r"_fp32_grad_accumulation=True needs fp16=True or fp16_params=True"),
+        ({"ddp": True, "horovod": True}, r"ddp=True and horovod=True name two data-parallel backends"),
+        ({"sharded_data_parallel_degree": 2, "partitions": 2}, r"cannot be combined with pipeline_parallel_degree"),
+        ({"pipeline": "_only_backward"}, r"pipeline='_only_backward' is invalid"),
+    ],
+)
+def test_smps_schema_constraints_raise_with_the_fix(parameters, match):
+    with pytest.raises(ValueError, match=match):
+        SMPConfig.from_smp_options(parameters)
+
+
+def test_internal_requirements_that_hold_only_warn():
+    with pytest.warns(UserWarning, match=r"_fp32_grad_accumulation=True has no effect"):
+        SMPConfig.from_smp_options({"_fp32_grad_accumulation": True, "fp16": True})
+
+
+def test_internal_smp_settings_belong_in_smp_options():
+    with pytest.raises(ValueError, match=r"'fast_mode' in keyword arguments is an internal smp parameter; pass it"):
+        SMPConfig.from_sources({"fast_mode": True}, environ={})
+
+
+def test_only_forward_pipeline_runs_interleaved_with_a_warning():
+    with pytest.warns(UserWarning, match=r"pipeline='_only_forward' runs as pipeline='interleaved'"):
+        assert SMPConfig.from_smp_options({"pipeline": "_only_forward"}).pipeline == "interleaved"
+
+
+def test_fp16_params_is_read_as_fp16_and_named_deprecated():
+    cfg = SMPConfig.from_smp_options({"fp16_params": True})
+    assert cfg.fp16 and cfg.half_dtype is torch.float16
+    assert cfg.deprecated_settings() == [
+        "fp16_params=True is deprecated in smp in favour of fp16; lightning_smp reads it as fp16=True: set fp16=True "
+        "instead."
+    ]
+    assert cfg.inactive_settings() == [] and SMPConfig(fp16=True).deprecated_settings() == []
+
+
+def test_requirements_not_enforced_are_accepted():
+    # the configs smp's schema refused that lightning_smp runs, one per entry of the table
+    assert len(SMP_REQUIREMENTS_NOT_ENFORCED) == 5
+    SMPConfig(tensor_parallel_degree=2)
+    SMPConfig(ddp_port=4000)
+    SMPConfig(ddp_dist_backend="nccl")
+    SMPConfig(prescaled_batch=True, optimize="memory")
+    SMPConfig(sharded_data_parallel_degree=2, tensor_parallel_degree=2)
 
 
 def test_inactive_table_names_smp_fields_only():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib
 import inspect
 import itertools
 import re
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 _ROOT = Path(__file__).resolve().parents[1]
 _DOCS = _ROOT / "docs"
@@ -42,6 +44,7 @@ _OWN_EQUIVALENTS = {
     "partition": "`smp.partition(i)` / `smp.set_partition(module, i)` with `auto_partition: False`",
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
+    "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
 }
 
 
@@ -68,6 +71,7 @@ def _cell(text: str) -> str:
 def render_configuration() -> str:
     """The generated part of docs/configuration.md: one row per SMPConfig field, in declaration order."""
     from lightning_smp import config as config_module
+    from lightning_smp import smp_options
 
     docs = _field_docstrings()
     rows = [
@@ -78,16 +82,140 @@ def render_configuration() -> str:
         name = field.name
         if name in config_module._OWN_FIELDS:
             smp = _OWN_EQUIVALENTS.get(name, "none: a lightning_smp setting")
-        elif name == config_module._ALIAS_OF:
-            smp = f'`parameters["{name}"]` (alias `"{config_module._ALIAS}"`)'
+        elif name == smp_options.ALIAS_OF:
+            smp = f'`parameters["{name}"]` (alias `"{smp_options.ALIAS}"`)'
         else:
             smp = f'`parameters["{name}"]`'
         if name in config_module._INACTIVE_SETTINGS:
             status = f"accepted, no effect: {config_module._INACTIVE_SETTINGS[name]}"
+        elif name in config_module._DEPRECATED:
+            replacement = config_module._DEPRECATED[name]
+            status = f"deprecated in smp: True sets {replacement}=True, with a warning naming {replacement}"
         else:
             status = "active"
         meaning = docs.get(name, "")
         rows.append(f"| `{name}` | `{field.default!r}` | {_cell(meaning)} | {_cell(smp)} | {_cell(status)} |")
+    return "\n".join(rows)
+
+
+def render_smp_internal_settings() -> str:
+    """The generated part of docs/configuration.md on smp's other schema keys: its internal settings (accepted from
+    smp_options and SM_HP_MP_PARAMETERS, each warning when changed) and the schema requirements not enforced."""
+    from lightning_smp import config as config_module
+    from lightning_smp.smp_options import INTERNAL_SETTINGS
+
+    rows = [
+        "| smp parameter | smp's default | what it did on SageMaker | in lightning_smp |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, setting in INTERNAL_SETTINGS.items():
+        rows.append(
+            f"| `{name}` | `{setting.default!r}` | {_cell(setting.did)} | accepted ({setting.kind}), no effect: "
+            f"{_cell(setting.why)} |"
+        )
+    rows += ["", "smp's schema requirements that lightning_smp does not enforce:", ""]
+    rows += [f"- {rule}: {why}." for rule, why in config_module.SMP_REQUIREMENTS_NOT_ENFORCED.items()]
+    return "\n".join(rows)
+
+
+# -- the smp names ----------------------------------------------------------------------------------------------
+
+# smp v1's public names (smdistributed.modelparallel.torch 1.12: its __all__, the calls it binds at import, its
+# state and constants, and smp.nn's __all__) and what each is here: (kind, what the page says, what the test checks).
+# Kinds: "same" (works as in smp; checked: it exists), "alias" (checked: it is the named object), "raises" (not
+# needed or not reproduced: calling it raises, naming what to use; checked: the message holds the text).
+_RUN = "in a run only, as in smp after `smp.init()`"
+_AXIS_HELPERS = tuple(f"{axis}_{what}" for axis in ("dp", "rdp", "pp", "tp", "mp") for what in ("rank", "size"))
+_SMP_NAMES: dict[str, tuple[str, str, str]] = {
+    "init": ("raises", "`SMPStrategy(...)` / `SMPStrategy.from_smp_options(smp_options)`", "from_smp_options"),
+    "step": ("raises", "the LightningModule's `training_step`, run per microbatch; return the loss", "training_step"),
+    "DistributedModel": ("raises", "nothing: the strategy splits and wraps the LightningModule", "SMPStrategy splits"),
+    "DistributedOptimizer": (
+        "same",
+        "smp's defaults (a static scale of 1.0), with a warning when they replace the strategy's scaling; or a plain "
+        "optimizer, which the strategy wraps with its own settings",
+        "",
+    ),
+    "model_creation": ("same", "in `configure_model` (or anywhere before the run)", ""),
+    "delay_param_initialization": ("same", "materialised per rank at setup, with an eager build's values", ""),
+    "tensor_parallelism": ("same", "", ""),
+    "set_tensor_parallelism": ("same", "", ""),
+    "partition": ("same", "read with `auto_partition=False`", ""),
+    "set_partition": ("same", "read with `auto_partition=False`", ""),
+    "set_activation_checkpointing": ("same", "applied when the strategy sets the model up", ""),
+    "tp_register": ("raises", "`tensor_parallel_plan` (name the custom module's layers)", "tensor_parallel_plan="),
+    "tp_register_with_module": ("raises", "`tensor_parallel_plan`", "tensor_parallel_plan="),
+    "is_initialized": ("same", "whether a run is under way", ""),
+    "is_tracing": ("same", "always False: nothing is traced", ""),
+    "num_microbatches": ("same", "the run's `microbatches`", ""),
+    "state": ("same", "`smp.state.cfg` is the run's `SMPConfig` (in a run and after it)", ""),
+    **{
+        name: ("same", "in a run, after it (the last run's) and before any (one process)", "")
+        for name in ("rank", "size", "local_rank", "local_size", *_AXIS_HELPERS)
+    },
+    **{f"get_{axis}_process_group": ("same", _RUN, "") for axis in ("dp", "rdp", "pp", "tp", "mp", "world")},
+    **{name: ("same", _RUN, "") for name in ("barrier", "dp_barrier", "rdp_barrier", "pp_barrier", "tp_barrier")},
+    "mp_barrier": ("same", _RUN, ""),
+    **{name: ("same", f"picklable objects, {_RUN}", "") for name in ("broadcast", "send", "recv_from", "allgather")},
+    **{name: ("same", "", "") for name in ("CommGroup", "RankType", "WORLD", "MP_GROUP", "PP_GROUP", "TP_GROUP")},
+    **{name: ("same", "", "") for name in ("DP_GROUP", "RDP_GROUP")},
+    "save_checkpoint": ("same", "the strategy's sharded checkpoint, loadable under any layout", ""),
+    "resume_from_checkpoint": ("same", "from `on_fit_start` on; `trainer.fit(ckpt_path=...)` resumes loops too", ""),
+    "save": ("raises", "`trainer.save_checkpoint`, `consolidate_checkpoint`, or `torch.save`", "torch.save"),
+    "load": ("raises", "`torch.load`, or `trainer.fit(ckpt_path=...)`", "torch.load"),
+    "amp": ("raises", "`SMPStrategy(fp16=True)` (fp32 masters, smp's loss scaling)", "SMPStrategy(fp16=True)"),
+    "nn.DistributedLinear": ("same", "`nn.Linear`'s arguments, the weight split along the input features", ""),
+    "nn.DistributedEmbedding": ("same", "`nn.Embedding`'s arguments, split along the vocabulary", ""),
+    "nn.DistributedLayerNorm": ("alias", "`torch.nn.LayerNorm`, kept whole on every rank", "torch.nn.LayerNorm"),
+    "nn.FusedLayerNorm": ("alias", "`torch.nn.LayerNorm`", "torch.nn.LayerNorm"),
+    "nn.DistributedTransformerLayer": (
+        "same",
+        "`nn.TransformerEncoderLayer` split over the ranks, with torch's arguments (smp's keyword names raise, "
+        "naming the torch ones)",
+        "",
+    ),
+    "nn.DistributedTransformer": ("raises", "an `nn.ModuleList` of `nn.TransformerEncoderLayer`", "ModuleList"),
+    "nn.DistributedTransformerLMHead": (
+        "raises",
+        "`smp.nn.DistributedEmbedding`, the layers, and `smp.nn.DistributedLMHead` tied to the embedding",
+        "DistributedLMHead",
+    ),
+    "nn.DistributedAttentionLayer": ("raises", "`nn.MultiheadAttention`", "nn.MultiheadAttention"),
+    "nn.DistributedTransformerOutputLayer": ("raises", "two `nn.Linear`, colwise then rowwise", "colwise then"),
+    "nn.DistributedModule": ("raises", "`tensor_parallel_plan` entries for a custom module", "tensor_parallel_plan"),
+}
+
+
+# smdistributed.modelparallel.torch 1.12's __all__ and the calls and state its scripts use besides, and smp.nn's
+# __all__ (tkazusa/smdistributed_modelparallel, smdistributed/modelparallel/torch/__init__.py and nn/__init__.py)
+_SMP_V1_ALL = """
+init step nn is_initialized is_tracing DistributedModel DistributedOptimizer partition set_partition tensor_parallelism
+set_tensor_parallelism num_microbatches rank size local_rank local_size dp_rank dp_size mp_rank mp_size pp_rank pp_size
+tp_rank tp_size rdp_rank rdp_size get_dp_process_group get_mp_process_group get_pp_process_group get_tp_process_group
+get_rdp_process_group get_world_process_group mp_barrier pp_barrier dp_barrier tp_barrier rdp_barrier broadcast send
+recv_from allgather barrier amp load save tp_register tp_register_with_module delay_param_initialization model_creation
+set_activation_checkpointing save_checkpoint resume_from_checkpoint state
+"""
+_SMP_V1_NN = """
+FusedLayerNorm DistributedLinear DistributedLayerNorm DistributedEmbedding DistributedTransformerLayer
+DistributedAttentionLayer DistributedTransformerOutputLayer DistributedTransformer DistributedTransformerLMHead
+DistributedModule
+"""
+
+
+def _smp_name(name: str) -> object:
+    from lightning_smp import smp
+
+    owner = smp.nn if name.startswith("nn.") else smp
+    return getattr(owner, name.removeprefix("nn."))
+
+
+def render_smp_names() -> str:
+    """The generated part of docs/migration.md: every smp v1 name and what it is in lightning_smp."""
+    kinds = {"same": "the same", "alias": "an alias", "raises": "not needed or not reproduced: raises, naming"}
+    rows = ["| smp v1 | in lightning_smp | what |", "| --- | --- | --- |"]
+    for name, (kind, what, _) in _SMP_NAMES.items():
+        rows.append(f"| `smp.{name}` | {kinds[kind]} | {_cell(what)} |")
     return "\n".join(rows)
 
 
@@ -103,6 +231,11 @@ _NAMES_A_FIX = re.compile(
 )
 # Fixes for messages that do not name one themselves, keyed by a piece of the message's fixed text.
 _FIXES = {
+    "failed on the meta device (": "The memory planner could not run the model's backward on the meta device, so "
+    "its activations are unknown (`fits` is None): the part in brackets names the operation; estimate the model "
+    "states alone, or report the operation if it is torch's.",
+    "copying … failed (": "The memory planner copies the model before laying it out; make the model deep-copyable "
+    "(no open files or locks as attributes), or estimate the model states alone.",
     "There is no checkpoint at": "Check the path given to `ckpt_path=` (a checkpoint is a directory holding "
     "`meta.pt`); with `ckpt_path='last'`, make sure a `ModelCheckpoint(save_last=True)` ran before.",
     "the checkpoint is damaged": "The files of this checkpoint were changed or cut short after it was written (a "
@@ -167,6 +300,12 @@ _FIXES = {
     "argument, e.g. `x = block(x, mask=mask)`, not `block(input=x)`.",
     "tensor_parallel_plan gives": "Give that module a style its class supports, or `'replicate'` to keep it whole.",
     "unknown ": "Correct the name as the message suggests (it names the nearest accepted one).",
+    "is smp's own module, not reproduced": "Build from the torch layers the message names (they are split over the "
+    "tensor-parallel ranks); docs/migration.md lists every smp.nn name and what replaces it.",
+    "defines a distributed module the smp way": "Name the custom module's layers in `tensor_parallel_plan` instead of "
+    "subclassing `smp.nn.DistributedModule`.",
+    "has no attribute": "The name is not part of the smp facade; docs/migration.md lists every smp name and what "
+    "replaces it.",
     "Upgrade lightning_smp": "Install the lightning_smp version that wrote the checkpoint, or a newer one.",
 }
 
@@ -197,6 +336,7 @@ _GROUPS = {
 _GROUP_OF_PATH = {
     "config.py": "Configuring the strategy",
     "strategy.py": "Configuring the strategy",
+    "smp_options.py": "Configuring the strategy",
     "topology.py": "Launching and failures",
     "fault_tolerance.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
@@ -208,9 +348,12 @@ _GROUP_OF_PATH = {
     "weights.py": "Model creation and memory",
     "progress.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
+    "activation_memory.py": "Model creation and memory",
+    "memory_plot.py": "Model creation and memory",
     "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",
+    "tp_batches.py": "Tensor parallelism",
     "pipeline/": "Pipeline parallelism",
     "precision.py": "Precision and loss scaling",
     "loss_scaler.py": "Precision and loss scaling",
@@ -306,17 +449,26 @@ def render_error_catalog(messages: list[ErrorMessage]) -> str:
 # -- the pages ------------------------------------------------------------------------------------------------
 
 
-def _generated(page: Path) -> str:
-    text = page.read_text(encoding="utf-8")
-    assert _BEGIN in text and _END in text, f"{page.name} lost its generated-part markers"
-    return text.split(_BEGIN, 1)[1].split(_END, 1)[0].strip()
+def _markers(part: str) -> tuple[str, str]:
+    """The begin and end markers of a page's generated part: the page's main one (``part=""``) or a named one."""
+    if not part:
+        return _BEGIN, _END
+    return _BEGIN.replace(": begin", f": begin {part}"), _END.replace(": end", f": end {part}")
 
 
-def _write_generated(page: Path, content: str) -> None:
+def _generated(page: Path, part: str = "") -> str:
     text = page.read_text(encoding="utf-8")
-    head, rest = text.split(_BEGIN, 1)
-    tail = rest.split(_END, 1)[1]
-    page.write_text(f"{head}{_BEGIN}\n{content}\n{_END}{tail}", encoding="utf-8")
+    begin, end = _markers(part)
+    assert begin in text and end in text, f"{page.name} lost its generated-part markers {begin!r}"
+    return text.split(begin, 1)[1].split(end, 1)[0].strip()
+
+
+def _write_generated(page: Path, content: str, part: str = "") -> None:
+    text = page.read_text(encoding="utf-8")
+    begin, end = _markers(part)
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
+    page.write_text(f"{head}{begin}\n{content}\n{end}{tail}", encoding="utf-8")
 
 
 def _normalised(text: str) -> str:
@@ -327,6 +479,44 @@ def test_configuration_reference_lists_every_field_as_the_code_says() -> None:
     assert _generated(_DOCS / "configuration.md") == render_configuration(), (
         f"docs/configuration.md is out of date with SMPConfig; {_REGENERATE}"
     )
+
+
+def test_configuration_reference_lists_smps_internal_settings_as_the_code_says() -> None:
+    assert _generated(_DOCS / "configuration.md", "smp-internal") == render_smp_internal_settings(), (
+        f"docs/configuration.md is out of date with smp_options.INTERNAL_SETTINGS; {_REGENERATE}"
+    )
+
+
+def test_migration_guide_lists_every_smp_name_as_the_code_says() -> None:
+    assert _generated(_DOCS / "migration.md", "smp-names") == render_smp_names(), (
+        f"docs/migration.md is out of date with the smp names; {_REGENERATE}"
+    )
+
+
+@pytest.mark.parametrize("name", list(_SMP_NAMES))
+def test_every_smp_name_is_what_the_migration_guide_says(name: str) -> None:
+    kind, _, check = _SMP_NAMES[name]
+    if kind == "raises":
+        args = {
+            "DistributedModel": (torch.nn.Linear(1, 1),),
+            "tp_register": (object,),
+            "tp_register_with_module": (torch.nn.Linear, object),
+            "save": ({}, "model.pt"),
+            "load": ("model.pt",),
+        }.get(name, ())
+        with pytest.raises((RuntimeError, AttributeError)) as error:
+            _smp_name(name)(*args)
+        assert check in str(error.value), str(error.value)
+    elif kind == "alias":
+        module, attribute = check.rsplit(".", 1)
+        assert _smp_name(name) is getattr(importlib.import_module(module), attribute)
+    else:
+        assert _smp_name(name) is not None
+
+
+def test_the_smp_names_cover_smps_public_api() -> None:
+    smp_all, smp_nn = set(_SMP_V1_ALL.split()) - {"nn"}, {f"nn.{name}" for name in _SMP_V1_NN.split()}
+    assert smp_all | smp_nn <= set(_SMP_NAMES)
 
 
 def test_troubleshooting_lists_every_error_message() -> None:
@@ -421,5 +611,7 @@ def test_relative_links_point_at_files_that_exist(page: str) -> None:
 if __name__ == "__main__":
     sys.path.insert(0, str(_ROOT))
     _write_generated(_DOCS / "configuration.md", render_configuration())
+    _write_generated(_DOCS / "configuration.md", render_smp_internal_settings(), "smp-internal")
+    _write_generated(_DOCS / "migration.md", render_smp_names(), "smp-names")
     _write_generated(_DOCS / "troubleshooting.md", render_error_catalog(error_messages()))
     print("wrote the generated parts of docs/configuration.md and docs/troubleshooting.md")

@@ -68,7 +68,8 @@ def _public_names() -> dict[str, str]:
 
 def _readme_api_names() -> set[str]:
     """The dotted names in backticks in the README's API section that resolve in the package (``smp.rank()``,
-    ``SMPStrategy.from_smp_options(...)``); what does not resolve (``dp_``, a command line) is prose."""
+    ``SMPStrategy.from_smp_options(...)``); what does not resolve (``dp_``, a command line) is prose, and so is a
+    word that happens to name a submodule (``smp_options``, SageMaker's dict; public modules are in ``__all__``)."""
     readme = (_ROOT / "README.md").read_text(encoding="utf-8")
     section = readme.split("## API", 1)[1].split("\n## ", 1)[0]
     found = set()
@@ -76,7 +77,7 @@ def _readme_api_names() -> set[str]:
         owner: object = lightning_smp
         for part in token.split("."):
             owner = getattr(owner, part, None)
-        if owner is not None:
+        if owner is not None and not isinstance(owner, types.ModuleType):
             found.add(token)
     return found
 

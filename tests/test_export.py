@@ -44,7 +44,8 @@ PP2, TP2 = {"pipeline_parallel_degree": 2, "microbatches": 2}, {"tensor_parallel
 LAYOUTS_2 = {"tp2": TP2, "pp2": PP2, "dp2_zero1": {"shard_optimizer_state": True}, "sdp2": SDP}
 LAYOUTS_4 = {"pp2xtp2": {**PP2, **TP2}, "sdp2xtp2": {**SDP, **TP2}}
 RESUMED = {"sdp2xtp2"}  # also resumed in the launch that saved it (the other layouts' resumes: test_checkpoint)
-REPLICAS = {"one_device": 1, "tp2": 1, "pp2": 1, "dp2_zero1": 2, "sdp2": 2, "pp2xtp2": 1, "sdp2xtp2": 2}
+# how many ranks read their own batch (smp.dp_size(): each tensor-parallel rank too, prescaled_batch=False)
+REPLICAS = {"one_device": 1, "tp2": 2, "pp2": 1, "dp2_zero1": 2, "sdp2": 2, "pp2xtp2": 2, "sdp2xtp2": 4}
 # The memory model: an embedding and an LM head of 32 MiB each (fp32), the rest small.
 BIG = {"vocab_size": 16384, "hidden_size": 512, "intermediate_size": 256, "num_hidden_layers": 1}
 LARGEST = 16384 * 512 * 4

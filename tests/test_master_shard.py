@@ -130,10 +130,11 @@ def _dp1_job(rank: int, root: str) -> dict:
 
 def _four_ranks_job(rank: int, root: str) -> dict:
     results = {}
-    for layout, degrees in (("dp2_tp2", TP2), ("pp2_dp2", PP2)):
+    # each tensor-parallel rank reads its own half of a replica's batch (prescaled_batch=False): STEPS steps either way
+    for layout, degrees, batch in (("dp2_tp2", TP2, PER_RANK_BATCH // 2), ("pp2_dp2", PP2, PER_RANK_BATCH)):
         for name, precision in (("fp32", {}), ("fp16", FP16)):
-            results[f"{layout}_{name}"] = _fit({**degrees, **precision})
-            results[f"{layout}_{name}_sharded"] = _fit({**degrees, **precision, **SHARD})
+            results[f"{layout}_{name}"] = _fit({**degrees, **precision}, batch_size=batch)
+            results[f"{layout}_{name}_sharded"] = _fit({**degrees, **precision, **SHARD}, batch_size=batch)
     # the dp2 run's sharded save, re-partitioned over four replicas (the same global batch)
     saved = Path(root) / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
     results["dp4_resumed_sharded"] = _fit({**FP16, **SHARD}, batch_size=PER_RANK_BATCH // 2, ckpt_path=saved)

@@ -183,7 +183,8 @@ def _layouts(rank: int, layouts: dict) -> dict:
     _return_freed_memory_at_once()
     results = {}
     for name, (model_name, strategy_kwargs, options) in layouts.items():
-        strategy = SMPStrategy(delayed_parameter_initialization=True, **strategy_kwargs)
+        # every rank reads the same batches in order (no sampler): a tensor-parallel group reads one batch
+        strategy = SMPStrategy(delayed_parameter_initialization=True, prescaled_batch=True, **strategy_kwargs)
         results[name] = _fit(model_name, strategy, **options)
     return results
 

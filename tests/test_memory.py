@@ -1,6 +1,6 @@
 """The memory planner: bytes per kind and per element, what tensor-parallel ranks and pipeline stages hold, the
-activation formula, the fit verdict and the layout search (pure, on meta-device models), and its agreement with
-the bytes `benchmarks/memory_scale.py` measures on live ranks."""
+activations traced on the meta device, the fit verdict and the layout search (pure, on meta-device models), and its
+agreement with the bytes `benchmarks/memory_scale.py` and `benchmarks/sequence_parallel.py` measure on live ranks."""
 
 import json
 import subprocess
@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from benchmarks import memory_scale
 from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
+from lightning_smp.activation_memory import SavedBytes
 from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
 from tests.distributed import run_distributed
 
@@ -26,17 +28,30 @@ class _GPT(nn.Module):
         with smp.tensor_parallelism(tensor_parallel):
             self.tok = nn.Embedding(VOCAB, WIDTH)
             self.blocks = nn.ModuleList(
-                nn.TransformerEncoderLayer(WIDTH, HEADS, FF, batch_first=True) for _ in range(LAYERS)
+                nn.TransformerEncoderLayer(WIDTH, HEADS, FF, dropout=0.0, batch_first=True, norm_first=True)
+                for _ in range(LAYERS)
             )
             self.norm = nn.LayerNorm(WIDTH)
             self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         if tied:
             self.head.weight = self.tok.weight
 
+    def forward(self, ids: Tensor, target: Tensor) -> Tensor:  # the mean next-token loss
+        h = self.tok(ids)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        for block in self.blocks:
+            h = block(h, src_mask=mask, is_causal=True)
+        return F.cross_entropy(self.head(self.norm(h)).float().flatten(0, 1), target.flatten())
+
 
 def _gpt(**kwargs) -> _GPT:
     with torch.device("meta"):
         return _GPT(**kwargs)
+
+
+def _batch(samples: int = 4, sequence: int = 8) -> tuple[Tensor, Tensor]:
+    ids = torch.randint(0, VOCAB, (samples, sequence + 1), generator=torch.Generator().manual_seed(0))
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()  # as a DataLoader collates them
 
 
 def _numel(*modules: nn.Module) -> int:
@@ -202,38 +217,81 @@ def test_manual_partition_sizes_decide_the_stages():
 # -- activations ----------------------------------------------------------------------------------------------------
 
 
-def test_activations_follow_korthikanti_per_layer_and_tensor_parallel_degree():
-    s, b, h, a = 8, 2, WIDTH, HEADS
-    one = s * b * h * (34 + 5 * a * s / h)  # bytes per layer of 16-bit activations, no parallelism
-    split = s * b * h * (10 + 24 / 2 + 5 * a * s / (h * 2))
-    model = _gpt()
-    sizes = {"micro_batch_size": b, "sequence_length": s}
-    (rank,) = estimate_memory(model, config={"fp16": True, "microbatches": 2}, **sizes).ranks
-    assert rank.activations == LAYERS * int(one)
-    assert rank.in_flight == 2  # without a pipeline the whole batch (both microbatches) runs at once
-    (rank,) = estimate_memory(model, config={"fp16": True}, **sizes).ranks
-    assert rank.total == rank.model_states + LAYERS * int(one)
-    (rank,) = estimate_memory(model, config={"fp16": True, "tensor_parallel_degree": 2}, **sizes).ranks
-    assert rank.activations == LAYERS * int(split)
-    (rank,) = estimate_memory(model, **sizes).ranks
-    assert rank.activations == LAYERS * int(2 * one)  # fp32 activations
+def test_activations_are_what_one_microbatch_keeps_for_backward_on_a_live_run():
+    """On one device the trace on the meta device counts exactly what a real forward keeps (each storage once,
+    the parameters left out), logits and loss included."""
+    torch.manual_seed(0)
+    live = _GPT()
+    with SavedBytes(exclude=live.parameters()) as saved:
+        live(*_batch())
+    (rank,) = estimate_memory(_gpt(), batch=_batch()).ranks
+    assert rank.activations == saved.total() > 0
+    (rank,) = estimate_memory(_gpt(), config={"microbatches": 2}, batch=_batch()).ranks
+    assert rank.in_flight == 2 and rank.activations < saved.total()  # one microbatch; without a pipeline both run
+
+
+def test_activations_follow_tensor_and_sequence_parallelism_checkpointing_and_offloading():
+    def activations(**config):
+        model = _gpt()
+        if config.pop("checkpointed", False):
+            smp.set_activation_checkpointing(model.blocks)
+        (rank,) = estimate_memory(model, config=config, batch=_batch()).ranks
+        return rank
+
+    one, tp2 = activations(), activations(tensor_parallel_degree=2)
+    sequence = activations(tensor_parallel_degree=2, sequence_parallel=True)
+    assert sequence.activations < tp2.activations < one.activations
+    checkpointed = activations(tensor_parallel_degree=2, sequence_parallel=True, checkpointed=True)
+    assert checkpointed.activations < sequence.activations / 2
+    assert 0 < checkpointed.recompute < sequence.activations  # one layer rebuilt at a time
+    offloaded = activations(tensor_parallel_degree=2, offload_activations=True, checkpointed=True)
+    assert offloaded.activations < activations(tensor_parallel_degree=2, checkpointed=True).activations
+    assert offloaded.recompute > checkpointed.recompute  # the layers loaded back ahead of their backward
+    half = activations(fp16=True)
+    assert 0.4 * one.activations < half.activations < 0.75 * one.activations  # 16-bit, but the loss in fp32
 
 
 def test_pipeline_stage_holds_the_microbatches_its_schedule_keeps_in_flight():
     config = {"pipeline_parallel_degree": 2, "microbatches": 4, "active_microbatches": 2, "fp16": True}
-    first, last = estimate_memory(_gpt(), config=config, micro_batch_size=1, sequence_length=4).ranks
+    first, last = estimate_memory(_gpt(), config=config, batch=_batch()).ranks
     assert first.in_flight == 2 and last.in_flight == 1  # 1F1B: the first stage waits longest for backwards
-    assert first.activations == last.activations  # two layers each
+    assert last.activations > first.activations  # two layers each; the last also keeps the logits and the loss
 
 
-def test_activations_are_omitted_with_the_reason():
-    report = estimate_memory(_gpt())
-    assert report.ranks[0].activations is None
-    assert "micro_batch_size and sequence_length" in report.activation_note
+def test_activations_that_cannot_be_measured_leave_the_fit_unknown_with_the_reason():
+    report = estimate_memory(_gpt(), device_memory="1GiB")
+    assert report.ranks[0].activations is None and report.fits is None
+    assert "not measured: give a batch" in report.activation_note
+    assert "unknown whether it fits in 1.0 GiB" in str(report)
+
+    class Logging(_GPT):
+        def forward(self, ids: Tensor, target: Tensor) -> Tensor:
+            loss = super().forward(ids, target)
+            print(f"loss {loss.item()}")  # a host read: no value on the meta device
+            return loss
+
     with torch.device("meta"):
-        mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    report = estimate_memory(mlp, micro_batch_size=2, sequence_length=8)
-    assert report.ranks[0].activations is None and "no nn.TransformerEncoderLayer" in report.activation_note
+        logging = Logging()
+    report = estimate_memory(logging, device_memory="1GiB", batch=_batch())
+    assert report.fits is None and ".item()" in report.activation_note
+    assert fitting_layouts(logging, devices=2, device_memory="1GiB", batch=_batch()) == []  # none is known to fit
+
+
+def test_a_transformers_model_is_traced_on_token_ids_of_the_given_size():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    with torch.device("meta"), smp.tensor_parallelism():
+        model = transformers.LlamaForCausalLM(config)
+    sizes = {"micro_batch_size": 2, "sequence_length": 16}
+    (short,) = estimate_memory(model, **sizes).ranks
+    (long,) = estimate_memory(model, micro_batch_size=2, sequence_length=32).ranks
+    assert 1.9 * short.activations < long.activations < 2.1 * short.activations
+    split = {"tensor_parallel_degree": 2, "sequence_parallel": True}
+    (sequence,) = estimate_memory(model, config=split, **sizes).ranks
+    assert sequence.activations < short.activations
 
 
 # -- the verdict, the search, the text --------------------------------------------------------------------------------
@@ -242,21 +300,21 @@ def test_activations_are_omitted_with_the_reason():
 def test_the_largest_rank_is_named_and_judged_against_the_device():
     model = _gpt(tied=True)
     config = {"pipeline_parallel_degree": 2, "microbatches": 2, "fp16": True}
-    report = estimate_memory(model, config=config, device_memory=10**9)
+    report = estimate_memory(model, config=config, device_memory=10**9, batch=_batch())
     assert report.largest is max(report.ranks, key=lambda r: r.total)
     assert report.fits is True
     text = str(report)
     assert f"Largest rank: stage {report.largest.stage}" in text and "fits in 953.7 MiB" in text
-    tight = estimate_memory(model, config=config, device_memory=report.largest.total - 1)
+    tight = estimate_memory(model, config=config, device_memory=report.largest.total - 1, batch=_batch())
     assert tight.fits is False and "does NOT fit" in str(tight)
-    assert estimate_memory(model, config=config).fits is None
+    assert estimate_memory(model, config=config, batch=_batch()).fits is None  # no device memory given
 
 
 def test_fitting_layouts_lists_what_fits_smallest_model_parallel_degree_first():
     model = _gpt()
     config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}}
-    one_device = estimate_memory(model, config=config).largest.total
-    found = fitting_layouts(model, devices=8, device_memory=one_device - 1, config=config)
+    one_device = estimate_memory(model, config=config, batch=_batch()).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=one_device - 1, config=config, batch=_batch())
     assert found, "splitting over 8 devices must fit what one device misses by a byte"
     assert all(report.fits and report.layout.devices == 8 for report in found)
     assert all(r.layout.shard_optimizer_state for r in found if r.layout.model_parallel == 1)  # dp=8 alone: sharded
@@ -270,15 +328,15 @@ def test_fitting_layouts_lists_what_fits_smallest_model_parallel_degree_first():
 def test_fitting_layouts_shards_the_optimizer_state_where_that_makes_a_layout_fit():
     model = _gpt()
     config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}}
-    replicated = estimate_memory(model, config=config, world_size=8).largest.total
-    found = fitting_layouts(model, devices=8, device_memory=replicated - 1, config=config)
+    replicated = estimate_memory(model, config=config, world_size=8, batch=_batch(8)).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=replicated - 1, config=config, batch=_batch(8))
     assert str(found[0].layout) == "pp=1 x tp=1 x dp=8 (optimizer state sharded)"
     assert found[0].largest.total < replicated
     assert layouts_table(found).splitlines()[1].split()[:4] == ["1", "1", "8", "sharded"]
-    roomy = fitting_layouts(model, devices=8, device_memory=replicated, config=config)
+    roomy = fitting_layouts(model, devices=8, device_memory=replicated, config=config, batch=_batch(8))
     assert not roomy[0].layout.shard_optimizer_state  # fits whole: no sharding
     forced = fitting_layouts(
-        model, devices=8, device_memory=replicated, config={**config, "shard_optimizer_state": True}
+        model, devices=8, device_memory=replicated, config={**config, "shard_optimizer_state": True}, batch=_batch(8)
     )
     assert all(r.layout.shard_optimizer_state == (r.layout.dp > 1) for r in forced)
     assert (1, 8, 1) in {(r.layout.pp, r.layout.tp, r.layout.dp) for r in forced}  # dp = 1 stays listed
@@ -287,8 +345,10 @@ def test_fitting_layouts_shards_the_optimizer_state_where_that_makes_a_layout_fi
 def test_fitting_layouts_offers_sharded_data_parallelism_where_only_that_fits():
     model = _gpt()
     config = {"fp16": True, "tensor_parallel_plan": {"head": "colwise"}, "sdp_param_persistence_threshold": 0}
-    zero1 = estimate_memory(model, config={**config, "shard_optimizer_state": True}, world_size=8).largest.total
-    found = fitting_layouts(model, devices=8, device_memory=zero1 - 1, config=config)
+    zero1 = estimate_memory(
+        model, config={**config, "shard_optimizer_state": True}, world_size=8, batch=_batch(8)
+    ).largest.total
+    found = fitting_layouts(model, devices=8, device_memory=zero1 - 1, config=config, batch=_batch(8))
     assert str(found[0].layout) == "pp=1 x tp=1 x dp=8 (sharded data parallel 8)"
     assert found[0].largest.total < zero1
     assert layouts_table(found).splitlines()[1].split()[:4] == ["1", "1", "8", "sdp=8"]
@@ -296,7 +356,7 @@ def test_fitting_layouts_offers_sharded_data_parallelism_where_only_that_fits():
     assert degrees == sorted(degrees)  # smallest model-parallel degree first
     assert all(r.layout.sdp == 1 for r in found if r.layout.pp > 1)  # sdp cannot combine with a pipeline
     asked = fitting_layouts(
-        model, devices=8, device_memory="1GiB", config={**config, "sharded_data_parallel_degree": 2}
+        model, devices=8, device_memory="1GiB", config={**config, "sharded_data_parallel_degree": 2}, batch=_batch(8)
     )
     sharded = [r.layout for r in asked if r.layout.dp > 1]
     assert sharded and all(layout.sdp == layout.dp and layout.pp == 1 for layout in sharded)
@@ -310,7 +370,7 @@ def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
         built.append(tp)
         return _gpt(tensor_parallel=tp > 1)  # as `smp.model_creation(tensor_parallelism=smp.tp_size() > 1)`
 
-    found = fitting_layouts(build, devices=4, device_memory="1GiB")
+    found = fitting_layouts(build, devices=4, device_memory="1GiB", batch=_batch())
     assert sorted(built) == [1, 2, 4]
     by_degrees = {(r.layout.pp, r.layout.tp): r.largest.parameters for r in found}
     assert by_degrees[(1, 2)] < 0.6 * by_degrees[(1, 1)]  # built tensor-parallel, so split
@@ -417,3 +477,38 @@ def test_sharded_optimizer_state_and_sharded_data_parallel_at_dp2_as_planned(tmp
     assert summary["dp2-sharded"]["masters_and_state_of_unsharded"] <= 0.52
     assert summary["sdp2"]["model_states_of_unsharded"] <= 0.55
     assert summary["dp2-sharded"]["step_time_of_unsharded"] > 0 and summary["sdp2"]["step_time_of_unsharded"] > 0
+
+
+def _sequence_parallel_benchmark(tmp_path: Path, *args: str) -> list[dict]:
+    out = tmp_path / "sequence_parallel.json"
+    command = [sys.executable, str(_REPO / "benchmarks" / "sequence_parallel.py"), *args, "--out", str(out)]
+    try:
+        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=1150)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"benchmarks/sequence_parallel.py {' '.join(args)} ran past 1150 s", pytrace=False)
+    assert done.returncode == 0, f"sequence_parallel.py failed:\n{done.stderr[-3000:]}"
+    return json.loads(out.read_text())["rows"]
+
+
+@pytest.mark.timeout(1200)  # three launches per model (one, two and four ranks), each fitting twice
+def test_planned_activations_are_within_10_percent_of_what_live_ranks_keep(tmp_path):
+    """The GPT and a Hugging Face Llama on one device, tp2 with sequence parallelism and pp2 x tp2 with it, without
+    and with activation checkpointing: every rank's bytes kept for backward per microbatch, counted on the live
+    tensors, against the planner's trace of the model built on the meta device."""
+    layouts = ("1", "tp2+sp", "pp2xtp2+sp")
+    rows = _sequence_parallel_benchmark(tmp_path, "planner", "--size", "smoke", "--layouts", ",".join(layouts))
+    covered = {(row["model"], row["layout"], row["checkpointing"]) for row in rows}
+    assert covered == {(m, layout, c) for m in ("gpt", "llama") for layout in layouts for c in (False, True)}
+    assert len(rows) == 2 * 2 * (1 + 2 + 4)
+    for row in rows:
+        assert abs(row["error"]) <= 0.10, row
+
+
+@pytest.mark.timeout(1200)  # two launches (two and four ranks), each fitting twice
+def test_sequence_parallelism_keeps_less_of_the_layers_activations_than_tensor_parallelism_alone(tmp_path):
+    """The benchmark's GPT (residual dropout 0.1, fp16): each layer's bytes kept for backward per rank under tp2+sp
+    at most 0.80 of tp2's, under tp4+sp at most 0.65 of tp4's; the planner within 10% of every layout."""
+    rows = {row["layout"]: row for row in _sequence_parallel_benchmark(tmp_path, "bytes", "--size", "smoke")}
+    assert rows["tp2+sp"]["layers_of_tp"] <= 0.80 and rows["tp4+sp"]["layers_of_tp"] <= 0.65
+    assert rows["tp2+sp"]["whole_of_tp"] < 1 and rows["tp4+sp"]["whole_of_tp"] < rows["tp2+sp"]["whole_of_tp"]
+    assert all(abs(row["planned_error"]) <= 0.10 for row in rows.values()), rows

@@ -524,12 +524,13 @@ LAYOUTS_4 = {
     "gpt_pp4_simple": ("gpt", {}, {**PP4, "pipeline": "simple"}),
     "cnn_pp4_1f1b": ("cnn", {}, PP4),
     "gpt_pp2_dp2": ("gpt", {}, PP2_DP2),
-    "gpt_pp2_tp2": ("gpt", {}, PP2_TP2),
+    # each tensor-parallel rank reads 4 samples (prescaled_batch=False): the two train on the reference's 8
+    "gpt_pp2_tp2": ("gpt", {"batch_size": 4}, PP2_TP2),
     "gpt_pp4_zb": ("gpt", {}, {**PP4, **ZB}),
     "gpt_pp2_dp2_zb": ("gpt", {}, {**PP2_DP2, **ZB}),
     "gpt_pp2_dp2_zb_zero1": ("gpt", {}, {**PP2_DP2, **ZB, "shard_optimizer_state": True}),  # optimizer reduces
     # each block checkpointed: W recomputes it again, replaying the tensor-parallel streams a second time
-    "gpt_pp2_tp2_zb_checkpointed": ("gpt", {"checkpoint": "each"}, {**PP2_TP2, **ZB}),
+    "gpt_pp2_tp2_zb_checkpointed": ("gpt", {"checkpoint": "each", "batch_size": 4}, {**PP2_TP2, **ZB}),
 }
 
 

@@ -242,8 +242,8 @@ def test_sdp2_at_its_defaults_matches_dp2_clipping_to_the_same_norm(model, fp16)
 
 
 @functools.cache
-def _one_device_gpt(fp16: bool) -> dict:
-    """The GPT in one process on the global batch of two replicas, clipping every step to smp's sdp norm."""
+def _one_device_gpt(fp16: bool, replicas: int) -> dict:
+    """The GPT in one process on the union of ``replicas`` ranks' batches, clipping every step to smp's sdp norm."""
 
     def built() -> _GPT:
         model = _GPT(batch_size=4)
@@ -251,7 +251,7 @@ def _one_device_gpt(fp16: bool) -> dict:
         return model
 
     return single_device_run(
-        built, lambda model, batch, step: model.loss(batch), steps=STEPS, replicas=2, fp16=fp16,
+        built, lambda model, batch, step: model.loss(batch), steps=STEPS, replicas=replicas, fp16=fp16,
         init_scale=INIT_SCALE, clip_norm=SDP_DEFAULT_CLIP,
     )  # fmt: skip
 
@@ -262,7 +262,8 @@ def test_sdp_at_its_defaults_on_a_gpt_of_torch_layers_trains_as_one_device(world
     """sdp2 (world 2) and sdp2 x tp2 (world 4, the head tied to the embedding) with every sdp setting at its default,
     against the single-process run clipping to the same norm: fp32 to 1e-5, fp16 with the same skipped steps."""
     run = "sdp_gpt_fp16" if fp16 else "sdp_gpt"
-    ranks, reference = _launch(world), _one_device_gpt(fp16)
+    # every rank reads its own batch: sdp2 x tp2's tensor-parallel ranks too (prescaled_batch=False)
+    ranks, reference = _launch(world), _one_device_gpt(fp16, replicas=world)
     losses = mean_losses([rank[run] for rank in ranks], steps=STEPS)
     assert losses == pytest.approx(reference["losses"], rel=FP16_REL if fp16 else FP32_REL)
     if fp16:

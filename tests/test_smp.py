@@ -1,4 +1,9 @@
+import os
 import re
+import subprocess
+import sys
+import textwrap
+import warnings
 
 import lightning.pytorch as pl
 import pytest
@@ -113,6 +118,132 @@ def test_distributed_model_and_step_say_what_replaces_them():
         @smp.step
         def train_step(model, data):
             return model(data)
+
+
+def test_state_helpers_answer_as_smp_did():
+    assert smp.is_initialized() is smp.state.initialized is False
+    assert smp.is_tracing() is False
+    assert smp.num_microbatches() == smp.state.cfg.microbatches
+
+
+@pytest.mark.parametrize(
+    ("call", "hint"),
+    [
+        (lambda: smp.tp_register(smp.nn.DistributedTransformer), r"tensor_parallel_plan="),
+        (lambda: smp.tp_register_with_module(torch.nn.Linear, smp.nn.DistributedLinear), r"tensor_parallel_plan="),
+        (lambda: smp.save({}, "model.pt"), r"trainer\.save_checkpoint\(path\).*consolidate_checkpoint.*torch\.save"),
+        (lambda: smp.load("model.pt"), r"torch\.save / torch\.load"),
+    ],
+    ids=["tp_register", "tp_register_with_module", "save", "load"],
+)
+def test_smp_calls_lightning_smp_does_not_need_say_what_to_use(call, hint):
+    with pytest.raises(RuntimeError, match=hint):
+        call()
+
+
+def test_delay_param_initialization_creates_no_memory_until_the_strategy_materialises():
+    with smp.delay_param_initialization():
+        delayed = torch.nn.Linear(4, 4)
+    with smp.delay_param_initialization(enabled=False):
+        eager = torch.nn.Linear(4, 4)
+    assert all(p.is_meta for p in delayed.parameters()) and not any(p.is_meta for p in eager.parameters())
+
+
+class _DelayedRegressor(TinyRegressor):
+    """Its network built under smp.delay_param_initialization, as AWS's scripts build their models."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        with smp.delay_param_initialization(enabled=True):
+            self.net = mlp()
+        self.initial: dict[str, torch.Tensor] = {}
+
+    def on_fit_start(self) -> None:
+        self.initial = {name: p.detach().clone() for name, p in self.net.named_parameters()}
+
+
+def test_delay_param_initialization_trains_from_the_eager_builds_values():
+    model = _DelayedRegressor()
+    assert all(p.is_meta for p in model.parameters())
+    _trainer("smp", max_steps=2).fit(model)
+    torch.manual_seed(0)
+    eager = mlp()
+    assert model.initial.keys() == dict(eager.named_parameters()).keys()
+    for name, value in eager.named_parameters():
+        assert torch.equal(model.initial[name], value), name
+    assert not any(p.is_meta for p in model.parameters())
+
+
+def test_smp_nn_names_exist_as_aliases_or_raise_naming_what_to_use():
+    assert smp.nn.DistributedLayerNorm is torch.nn.LayerNorm and smp.nn.FusedLayerNorm is torch.nn.LayerNorm
+    assert issubclass(smp.nn.DistributedLinear, torch.nn.Linear)
+    assert issubclass(smp.nn.DistributedEmbedding, torch.nn.Embedding)
+    assert issubclass(smp.nn.DistributedTransformerLayer, torch.nn.TransformerEncoderLayer)
+    for name, hint in [
+        ("DistributedTransformer", "nn.TransformerEncoderLayer"),
+        ("DistributedTransformerLMHead", "smp.nn.DistributedLMHead tied to the embedding"),
+        ("DistributedAttentionLayer", "nn.MultiheadAttention"),
+        ("DistributedTransformerOutputLayer", "colwise then rowwise"),
+        ("DistributedModule", "tensor_parallel_plan"),
+    ]:
+        with pytest.raises(RuntimeError, match=rf"smp\.nn\.{name} is smp's own module, not reproduced.*{hint}"):
+            getattr(smp.nn, name)(num_layers=2, hidden_size=16)
+    with pytest.raises(RuntimeError, match=r"class MyLayer\(smp\.nn\.DistributedModule\) defines a distributed"):
+
+        class MyLayer(smp.nn.DistributedModule):
+            pass
+
+    with pytest.raises(
+        TypeError, match=r"got smp's keyword arguments \['hidden_size', 'num_attention_heads'\].*d_model="
+    ):
+        smp.nn.DistributedTransformerLayer(num_attention_heads=4, hidden_size=16)
+
+
+class _BareDistributedOptimizer(TinyRegressor):
+    """Wraps its optimizer with smp.DistributedOptimizer, given ``scaling`` (nothing: smp's defaults)."""
+
+    def __init__(self, **scaling) -> None:
+        super().__init__()
+        self.scaling = scaling
+
+    def configure_optimizers(self):
+        return smp.DistributedOptimizer(torch.optim.SGD(self.parameters(), lr=0.05), **self.scaling)
+
+
+def test_distributed_optimizer_defaults_warn_when_they_replace_the_strategys_scaling():
+    model = _BareDistributedOptimizer()
+    with pytest.warns(UserWarning, match=r"takes smp's defaults .*static_loss_scale=1\.0, dynamic_loss_scale=False"):
+        _trainer("smp_fp16", max_steps=1).fit(model)
+    assert model.trainer.optimizers[0].loss_scale == 1.0  # smp's defaults, as on SageMaker
+    dynamic = _BareDistributedOptimizer(dynamic_loss_scale=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=r"smp\.DistributedOptimizer")
+        _trainer("smp_fp16", max_steps=1).fit(dynamic)  # what it was given makes the strategy's scaler: silent
+        _trainer(SMPStrategy(fp16=True, dynamic_loss_scale=False), max_steps=1).fit(_BareDistributedOptimizer())
+
+
+@pytest.mark.timeout(600)
+def test_lightning_smps_own_log_lines_show_on_rank_zero_by_default():
+    script = textwrap.dedent(
+        """
+        import logging
+        import lightning_smp
+        from tests.models import TinyRegressor, quiet_trainer
+        logging.getLogger("lightning_smp.example").info("an info line")
+        quiet_trainer(lightning_smp.SMPStrategy(), max_steps=1).fit(TinyRegressor())
+        """
+    )
+    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=280)
+    assert shown.returncode == 0, shown.stderr
+    assert "an info line" in shown.stderr and "lightning_smp topology: dp=1 pp=1 tp=1" in shown.stderr
+    other_rank = (
+        "import logging, lightning_smp; log = logging.getLogger('lightning_smp.x'); log.info('i'); log.warning('w')"
+    )
+    hidden = subprocess.run(
+        [sys.executable, "-c", other_rank], capture_output=True, text=True, timeout=200, env={**os.environ, "RANK": "1"}
+    )
+    assert hidden.stderr.splitlines() == ["w"]  # rank 1: warnings only
 
 
 # ---------------------------------------------------------------- one process
@@ -304,6 +435,10 @@ def _two_rank_facade(rank: int) -> dict:
     answers["after_fit"] = _facts()
     trainer.validate(model, verbose=False)
     answers["after_validate"] = _facts()
+    with warnings.catch_warnings(record=True) as caught:  # a model with nothing tensor parallelism can split
+        warnings.simplefilter("always")
+        _trainer(SMPStrategy(tensor_parallel_degree=2), devices=2, max_steps=1).fit(TinyRegressor())
+    answers["tp_warnings"] = [str(w.message) for w in caught if "tensor_parallel_degree=2" in str(w.message)]
     return answers
 
 
@@ -371,6 +506,13 @@ def test_facade_in_a_two_process_run():
             assert {name: facts[name] for name in _RANK_HELPERS} == {name: answers[name] for name in _RANK_HELPERS}
             assert facts["cfg"].microbatches == 2
             assert facts["initialized"] is False
+    # tensor_parallel_degree=2 over a model nothing of which is split: said once, on rank 0
+    (warning,) = results[0]["tp_warnings"]
+    assert (
+        warning.startswith("tensor_parallel_degree=2 splits nothing in this model")
+        and "tensor_parallel_plan" in warning
+    )
+    assert results[1]["tp_warnings"] == []
 
 
 # ---------------------------------------------------------------- a planned layout (the memory planner)

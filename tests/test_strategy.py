@@ -48,16 +48,22 @@ def test_from_smp_options_takes_the_sagemaker_dict_as_pasted():
     assert strategy.precision_plugin.dtype == torch.float16
 
 
-def test_keyword_arguments_and_smp_options_must_agree():
-    with pytest.raises(ValueError, match="microbatches is given twice"):
-        SMPStrategy(microbatches=2, smp_options={"parameters": {"microbatches": 4}})
+def test_a_keyword_given_wins_over_smp_options_even_at_its_default():
+    options = {"parameters": {"microbatches": 4, "fp16": True}}
+    with pytest.warns(UserWarning, match=r"microbatches=1 given as a keyword argument overrides microbatches=4"):
+        strategy = SMPStrategy(microbatches=1, smp_options=options)
+    assert (strategy.config.microbatches, strategy.config.fp16) == (1, True)
+    assert SMPStrategy(smp_options=options).config.microbatches == 4  # not given: smp_options decides
+    with pytest.warns(UserWarning, match=r"fp16=False given as a keyword argument overrides fp16=True"):
+        assert not SMPStrategy.from_smp_options(options, fp16=False).config.fp16
 
 
 def test_the_sagemaker_environment_variable_overrides_the_script(monkeypatch):
-    monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"microbatches": 8}')
-    with pytest.warns(UserWarning, match="SM_HP_MP_PARAMETERS sets microbatches=8"):
-        strategy = SMPStrategy(microbatches=2)
-    assert strategy.config.microbatches == 8
+    monkeypatch.setenv("SM_HP_MP_PARAMETERS", '{"microbatches": 8, "fp16": true}')
+    with pytest.warns(UserWarning, match="SM_HP_MP_PARAMETERS sets microbatches=8") as record:
+        strategy = SMPStrategy(microbatches=2, smp_options={"microbatches": 4}, fp16=False)
+    assert (strategy.config.microbatches, strategy.config.fp16) == (8, True)
+    assert any("SM_HP_MP_PARAMETERS sets fp16=True, overriding False" in str(w.message) for w in record)
 
 
 def test_settings_without_effect_say_so():

@@ -25,8 +25,9 @@ from torchmetrics import SumMetric
 
 from lightning_smp import SMPStrategy
 from lightning_smp.tensor_parallel import gather_shards, shard_of
+from lightning_smp.tensor_parallel.comm import ShapeOnlyGroup, split_sequence
 from tests.distributed import init_gloo, launch_once
-from tests.gpt import WIDTH, TinyGPT, token_batches
+from tests.gpt import SEQ, WIDTH, TinyGPT, token_batches
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses
 
@@ -41,8 +42,13 @@ class _TinyGPT(TinyGPT):
     """`tests.gpt.TinyGPT` with a 64-token vocabulary and a GELU feed-forward network 4 x wide, trained with AdamW;
     ``samples`` counts the samples it saw (a torchmetrics metric), ``losses`` every step's loss."""
 
-    def __init__(self, per_rank_batch: int, *, vocab_parallel: bool = False) -> None:
-        super().__init__(vocab_parallel=vocab_parallel, vocab=VOCAB, ff=4 * D, activation="gelu")
+    def __init__(
+        self, per_rank_batch: int, *, vocab_parallel: bool = False, dropout: float = 0.0, checkpointing: bool = False
+    ) -> None:
+        super().__init__(
+            vocab_parallel=vocab_parallel, vocab=VOCAB, ff=4 * D, activation="gelu", dropout=dropout,
+            checkpointing=checkpointing,
+        )  # fmt: skip
         self.per_rank_batch = per_rank_batch
         self.samples = SumMetric()
         self.losses: list[float] = []
@@ -135,6 +141,20 @@ class _Record(Callback):
             self.norms.append(optimizer.clip_master_grads(math.inf).item())
 
 
+class _LastBlockInput(Callback):
+    """The shape of what the last block takes in (its first norm's input; under pp2, what the last stage received)."""
+
+    shape: tuple[int, ...] | None = None
+
+    def on_train_start(self, trainer, pl_module):
+        norm = getattr(pl_module.blocks[-1], "norm1", None)  # the GPT's (the MLP regressor's blocks have none)
+        if norm is not None:
+            norm.register_forward_pre_hook(self._record)
+
+    def _record(self, module, args):
+        self.shape = tuple(args[0].shape)
+
+
 def _fit(
     rank: int,
     model: pl.LightningModule,
@@ -143,16 +163,20 @@ def _fit(
     warns: str | None = None,
     validate: bool = False,
     accumulate: int = 1,
+    **trainer_kwargs,
 ) -> dict:
-    recorder = _Record(gradients=not strategy_kwargs.get("fp16"))
+    pipelined = strategy_kwargs.get("pipeline_parallel_degree", 1) > 1  # rank 0 holds stage 0's parameters only
+    recorder = _Record(gradients=not strategy_kwargs.get("fp16") and not pipelined)
+    block_input = _LastBlockInput()
     trainer = quiet_trainer(
         SMPStrategy(**strategy_kwargs),
         devices=int(os.environ["WORLD_SIZE"]),
         max_steps=STEPS,
         accumulate_grad_batches=accumulate,
-        callbacks=[recorder],
+        callbacks=[recorder, block_input],
         num_sanity_val_steps=0,
         check_val_every_n_epoch=2,  # validation runs once, after fit (a second setup of the split model)
+        **trainer_kwargs,
     )
     with pytest.warns(UserWarning, match=warns) if warns and rank == 0 else nullcontext():
         trainer.fit(model)
@@ -171,6 +195,7 @@ def _fit(
         "samples": samples,
         "local_params": sum(p.numel() for p in model.parameters()),
         "sharded": sorted(name for name, p in model.named_parameters() if shard_of(p) is not None),
+        "last_block_input": block_input.shape,
     }
 
 
@@ -185,7 +210,8 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
         init_gloo()  # the Trainers below find and keep this default group
     for tp, everything in layouts:
         dp = world // tp
-        batch, key, degree = GLOBAL_BATCH // dp, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}
+        # every rank reads its own share (prescaled_batch=False): a tensor-parallel group trains on tp of them
+        batch, key, degree = GLOBAL_BATCH // world, f"tp{tp}_dp{dp}", {"tensor_parallel_degree": tp}
         warning = _SHARED_WEIGHT if tp > 1 else None
         results[f"gpt_{key}"] = _fit(rank, _TinyGPT(batch), degree, warns=warning, validate=True)
         if everything:
@@ -195,7 +221,38 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
                 rank, _MlpRegressor(batch), {**degree, "tensor_parallel_plan": PLAN}, accumulate=2
             )
             results[f"vocab_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), degree)
+            if tp > 1:  # the vocabulary-parallel embedding and loss around sequence-parallel layers
+                results[f"vocab_sp_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), {**degree, **SP})
+    for name, (dropout, strategy_kwargs) in _SEQUENCE_RUNS[world].items():
+        model = _TinyGPT(GLOBAL_BATCH, dropout=dropout, checkpointing=True)
+        results[name] = _fit(rank, model, strategy_kwargs, validate=True, gradient_clip_val=CLIP)
     return results
+
+
+# Sequence parallelism, with dropout on the residual stream (the masks of one device), activation checkpointing and
+# gradient clipping: name -> (dropout, strategy settings). Pipeline stages draw their dropout in another order than
+# one device, so the pipelined runs go without (tests/test_tensor_parallel_layers.py checks the masks of a region).
+CLIP, DROPOUT = 0.5, 0.2
+SP, PP2_TP2 = (
+    {"sequence_parallel": True},
+    {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
+)
+_SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
+    1: {
+        "sp_reference": (DROPOUT, {}),
+        "sp_reference_fp16": (DROPOUT, FP16),
+        "sp_reference_no_dropout": (0.0, {}),
+        "sp_reference_fp16_no_dropout": (0.0, FP16),
+    },
+    2: {
+        "sp_tp2": (DROPOUT, {**SP, "tensor_parallel_degree": 2}),
+        "sp_tp2_fp16": (DROPOUT, {**SP, **FP16, "tensor_parallel_degree": 2}),
+    },
+    4: {
+        "sp_pp2_tp2": (0.0, {**SP, **PP2_TP2, "offload_activations": True}),
+        "sp_pp2_tp2_fp16": (0.0, {**SP, **FP16, **PP2_TP2}),
+    },
+}
 
 
 _LAYOUTS = {1: [(1, True)], 2: [(2, True)], 4: [(4, False), (2, False)]}
@@ -203,7 +260,7 @@ _LAYOUTS = {1: [(1, True)], 2: [(2, True)], 4: [(4, False), (2, False)]}
 
 def launch(world: int) -> list[dict]:
     """Every record of one world size, from one launch per test session (the first caller waits)."""
-    return launch_once(_run_all, world, _LAYOUTS[world], timeout=240)
+    return launch_once(_run_all, world, _LAYOUTS[world], timeout=420)
 
 
 def _assert_matches(runs: list[dict], reference: dict, *, rel: float = FP32_REL) -> None:
@@ -224,7 +281,7 @@ def _assert_matches(runs: list[dict], reference: dict, *, rel: float = FP32_REL)
 # Each test may be the first to need a launch (~10-30 s on two shared cores): the timeouts cover one.
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_gpt_tp2_fp32_matches_one_process():
     reference = launch(1)[0]["gpt_tp1_dp1"]
     runs = [rank["gpt_tp2_dp1"] for rank in launch(2)]
@@ -235,7 +292,7 @@ def test_gpt_tp2_fp32_matches_one_process():
     assert runs[0]["samples"] == runs[1]["samples"] == STEPS * GLOBAL_BATCH  # torchmetrics counts each sample once
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 @pytest.mark.parametrize("layout", ["tp4_dp1", "tp2_dp2"])
 def test_gpt_tp4_and_dp2_tp2_fp32_match_one_process(layout):
     reference = launch(1)[0]["gpt_tp1_dp1"]
@@ -244,7 +301,7 @@ def test_gpt_tp4_and_dp2_tp2_fp32_match_one_process(layout):
     assert all(run["samples"] == STEPS * GLOBAL_BATCH for run in runs)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_gpt_tp2_fp16_matches_one_process_with_the_same_skipped_steps():
     reference = launch(1)[0]["gpt_fp16_tp1_dp1"]
     runs = [rank["gpt_fp16_tp2_dp1"] for rank in launch(2)]
@@ -256,7 +313,7 @@ def test_gpt_tp2_fp16_matches_one_process_with_the_same_skipped_steps():
     assert all(torch.equal(runs[0]["initial"][name], value) for name, value in reference["initial"].items())
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
     runs = [rank["mlp_tp2_dp1"] for rank in launch(2)]
     _assert_matches(runs, launch(1)[0]["mlp_tp1_dp1"])
@@ -264,7 +321,7 @@ def test_plain_linear_mlp_split_by_an_explicit_plan_matches_one_process():
     assert runs[0]["sharded"] == expected
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_gradient_accumulation_over_two_batches_at_tp2_matches_one_process():
     reference = launch(1)[0]["mlp_accumulated_tp1_dp1"]
     assert len(reference["losses"]) == 2 * len(reference["grads"]) == 2 * STEPS  # two batches per optimizer step
@@ -275,8 +332,55 @@ def test_gradient_accumulation_over_two_batches_at_tp2_matches_one_process():
         assert_tensors_close(grads, expected, rtol=1e-4, atol=1e-6, label=f"step {step}")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(500)
 def test_vocab_parallel_embedding_tied_to_the_lm_head_matches_one_process():
-    runs = [rank["vocab_tp2_dp1"] for rank in launch(2)]
-    _assert_matches(runs, launch(1)[0]["vocab_tp1_dp1"])
-    assert "tok.weight" in runs[0]["sharded"]  # split once, still tied to the head
+    for name in ("vocab_tp2_dp1", "vocab_sp_tp2_dp1"):  # without and with sequence parallelism
+        runs = [rank[name] for rank in launch(2)]
+        _assert_matches(runs, launch(1)[0]["vocab_tp1_dp1"])
+        assert "tok.weight" in runs[0]["sharded"]  # split once, still tied to the head
+
+
+# -- sequence parallelism -------------------------------------------------------------------------------------
+
+
+def _step_losses(run: dict) -> list[float]:
+    """Per-step losses of a rank's record: the mean over the step's microbatches where a pipeline splits it."""
+    per_step = len(run["losses"]) // STEPS
+    return [sum(run["losses"][i : i + per_step]) / per_step for i in range(0, len(run["losses"]), per_step)]
+
+
+@pytest.mark.timeout(500)
+def test_sequence_parallel_tp2_matches_one_process_with_dropout_checkpointing_and_clipping():
+    reference = launch(1)[0]["sp_reference"]
+    runs = [rank["sp_tp2"] for rank in launch(2)]
+    _assert_matches(runs, reference)  # losses, validation loss, every gathered gradient (norms summed over tp)
+    assert runs[0]["last_block_input"] == (GLOBAL_BATCH, SEQ // 2, D)  # blocks pass each other their slice
+    reference = launch(1)[0]["sp_reference_fp16"]
+    assert reference["skipped"] >= 1
+    for run in (rank["sp_tp2_fp16"] for rank in launch(2)):
+        assert_fp16_matches(run, reference)
+        assert run["norms"] == pytest.approx(reference["norms"], rel=FP16_REL)  # norms and biases counted once
+
+
+@pytest.mark.timeout(500)
+def test_sequence_parallel_pp2_tp2_with_offloading_matches_one_process_and_sends_slices_between_stages():
+    runs = launch(4)
+    for name, reference in (
+        ("sp_pp2_tp2", "sp_reference_no_dropout"),
+        ("sp_pp2_tp2_fp16", "sp_reference_fp16_no_dropout"),
+    ):
+        reference = launch(1)[0][reference]
+        last = runs[-1][name]  # the last stage's ranks compute the loss
+        if "fp16" in name:
+            assert reference["skipped"] >= 1 and last["skipped"] == reference["skipped"]
+            assert _step_losses(last) == pytest.approx(reference["losses"], rel=FP16_REL)
+        else:
+            assert _step_losses(last) == pytest.approx(reference["losses"], rel=FP32_REL)
+            assert last["val_loss"] == pytest.approx(reference["val_loss"], rel=FP32_REL)
+    # the last stage receives blocks.0's output from stage 0: one microbatch's slice of the sequence
+    assert runs[-1]["sp_pp2_tp2"]["last_block_input"] == (GLOBAL_BATCH // 2, SEQ // 2, D)
+
+
+def test_a_sequence_that_does_not_split_evenly_names_the_fix():
+    with pytest.raises(ValueError, match=r"sequence length 10 \(dim 1\), not a multiple of 4.*sequence_parallel=False"):
+        split_sequence(torch.zeros(2, 10, 8), ShapeOnlyGroup(rank=0, size=4), dim=1)

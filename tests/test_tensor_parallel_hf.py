@@ -63,11 +63,20 @@ _GPT2_DROPOUT = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
 class _CausalLM(pl.LightningModule):
-    """A transformers causal LM trained on fixed random tokens; ``extra_plan`` adds entries to the model's own plan."""
+    """A transformers causal LM trained on fixed random tokens; ``extra_plan`` adds entries to the model's own plan,
+    ``checkpointing`` checkpoints its decoder layers, ``attention_dropout`` sets the Llama's."""
 
-    def __init__(self, kind: str, extra_plan: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        kind: str,
+        extra_plan: dict[str, str] | None = None,
+        *,
+        checkpointing: bool = False,
+        attention_dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.kind, self.extra_plan = kind, extra_plan
+        self.checkpointing, self.attention_dropout = checkpointing, attention_dropout
         self.model: torch.nn.Module | None = None
 
     def configure_model(self) -> None:
@@ -78,6 +87,12 @@ class _CausalLM(pl.LightningModule):
             self.model = _build(self.kind)
         if self.extra_plan:
             self.model.tp_plan = {**self.model.tp_plan, **self.extra_plan}
+        if self.attention_dropout:
+            self.model.config.attention_dropout = self.attention_dropout
+            for layer in self.model.model.layers:
+                layer.self_attn.attention_dropout = self.attention_dropout
+        if self.checkpointing:
+            smp.set_activation_checkpointing(self.model.model.layers)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (ids,) = batch
@@ -88,7 +103,8 @@ class _CausalLM(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         ids = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-        return DataLoader(TensorDataset(ids), batch_size=BATCH)
+        # each tensor-parallel rank reads its share (prescaled_batch=False): a step trains on BATCH samples
+        return DataLoader(TensorDataset(ids), batch_size=BATCH // smp.tp_size())
 
 
 class _Losses(Callback):
@@ -99,11 +115,19 @@ class _Losses(Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def _fit(rank: int, kind: str, strategy_kwargs: dict, extra_plan: dict[str, str] | None = None) -> dict:
-    model, recorder = _CausalLM(kind, extra_plan), _Losses()
+def _fit(
+    rank: int,
+    kind: str,
+    strategy_kwargs: dict,
+    extra_plan: dict[str, str] | None = None,
+    options: dict | None = None,
+) -> dict:
+    options = dict(options or {})
+    clip = options.pop("gradient_clip_val", None)
+    model, recorder = _CausalLM(kind, extra_plan, **options), _Losses()
     trainer = quiet_trainer(
         SMPStrategy(**strategy_kwargs), devices=int(os.environ.get("WORLD_SIZE", "1")), max_steps=STEPS,
-        callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0,
+        callbacks=[recorder], num_sanity_val_steps=0, limit_val_batches=0, gradient_clip_val=clip,
     )  # fmt: skip
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -121,7 +145,10 @@ def _fit(rank: int, kind: str, strategy_kwargs: dict, extra_plan: dict[str, str]
         "planned": named,
         "whole": [name for name in named if shard_of(model.get_submodule(name).weight) is None],
         "sharded": sorted(name for name, p in model.named_parameters() if shard_of(p) is not None),
-        "warnings": [str(w.message) for w in caught if "tensor parallelism" in str(w.message)],
+        "warnings": [
+            str(w.message) for w in caught if "tensor parallelism" in str(w.message) or "sequence" in str(w.message)
+        ],
+        "classes": {name: type(module).__name__ for name, module in model.named_modules()},
         "skipped": optimizer.skipped_steps.item() if hasattr(optimizer, "skipped_steps") else None,
     }
 
@@ -130,7 +157,11 @@ _SPLITTING = {"colwise", "rowwise", "colwise_gather_output", "rowwise_split_inpu
 # what lightning_smp's built-in plan splits of GPT-2, as module paths in the LightningModule
 _GPT2_PLAN = [f"model.transformer.h.*.{layer}" for layer in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
 _GPT2_PLAN += ["model.transformer.wte", "model.lm_head"]
-_UNHONOURED = {"model.norm": "sequence_parallel"}
+_NORM_ON_SLICES = {"model.norm": "sequence_parallel"}
+# sequence parallelism: with activation checkpointing and clipping; dropout (the attention's) with and without it
+SP, TP2 = {"sequence_parallel": True}, {"tensor_parallel_degree": 2}
+CHECKPOINTED_CLIPPED = {"checkpointing": True, "gradient_clip_val": 0.5}
+DROPOUT = {**CHECKPOINTED_CLIPPED, "attention_dropout": 0.2}
 _RUNS = {
     1: {
         "llama": ("llama", {}),
@@ -139,16 +170,26 @@ _RUNS = {
         "qwen3": ("qwen3", {}),
         "phi3": ("phi3", {}),
         "bert": ("bert", {}),
+        "llama_clipped": ("llama", {}, None, CHECKPOINTED_CLIPPED),
+        "llama_clipped_fp16": ("llama", FP16, None, CHECKPOINTED_CLIPPED),
     },
     2: {
-        "llama": ("llama", {"tensor_parallel_degree": 2}),
-        "llama_unhonoured": ("llama", {"tensor_parallel_degree": 2}, _UNHONOURED),
-        "gpt2": ("gpt2", {"tensor_parallel_degree": 2}),
-        "qwen3": ("qwen3", {"tensor_parallel_degree": 2}),
-        "phi3": ("phi3", {"tensor_parallel_degree": 2, "tensor_parallel_plan": PHI3_PLAN}),
-        "bert": ("bert", {"tensor_parallel_degree": 2}),
+        "llama": ("llama", TP2),
+        "llama_norm_on_slices": ("llama", TP2, _NORM_ON_SLICES),
+        "gpt2": ("gpt2", TP2),
+        "qwen3": ("qwen3", TP2),
+        "phi3": ("phi3", {**TP2, "tensor_parallel_plan": PHI3_PLAN}),
+        "bert": ("bert", TP2),
+        "llama_sp": ("llama", {**TP2, **SP}, None, CHECKPOINTED_CLIPPED),
+        "llama_sp_fp16": ("llama", {**TP2, **SP, **FP16}, None, CHECKPOINTED_CLIPPED),
+        "llama_sp_dropout": ("llama", {**TP2, **SP}, None, DROPOUT),
+        "llama_dropout": ("llama", TP2, None, DROPOUT),
     },
-    4: {"llama_fp16": ("llama", {**PP2_TP2, **FP16})},
+    4: {
+        "llama_fp16": ("llama", {**PP2_TP2, **FP16}),
+        "llama_sp": ("llama", {**PP2_TP2, **SP}, None, CHECKPOINTED_CLIPPED),
+        "llama_sp_fp16": ("llama", {**PP2_TP2, **SP, **FP16}, None, CHECKPOINTED_CLIPPED),
+    },
 }
 
 
@@ -189,7 +230,7 @@ def launch(world: int) -> list[dict]:
 
 
 def _check_tp2(name: str) -> list[dict]:
-    reference, runs = launch(1)[0][name.removesuffix("_unhonoured")], [rank[name] for rank in launch(2)]
+    reference, runs = launch(1)[0][name.removesuffix("_norm_on_slices")], [rank[name] for rank in launch(2)]
     for run in runs:
         assert len(run["losses"]) == STEPS
         assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
@@ -244,10 +285,28 @@ def test_bert_encoder_splits_by_the_built_in_plan_and_matches_one_process():
 
 
 @pytest.mark.timeout(600)
-def test_a_style_lightning_smp_cannot_honour_keeps_its_module_whole_with_one_warning():
-    runs = _check_tp2("llama_unhonoured")
-    assert len(runs[0]["warnings"]) == 1 and "'sequence_parallel'" in runs[0]["warnings"][0]
-    assert "model.model.norm (LlamaRMSNorm): lightning_smp cannot honour its plan style" in runs[0]["warnings"][0]
+def test_a_norm_of_the_style_sequence_parallel_runs_on_a_slice_of_the_sequence_and_matches_one_process():
+    runs = _check_tp2("llama_norm_on_slices")
+    assert runs[0]["warnings"] == []
+    assert runs[0]["classes"]["model.model.norm"] == "SequenceParallelLlamaRMSNorm"
+
+
+@pytest.mark.timeout(900)
+def test_llama_with_sequence_parallelism_matches_one_process_at_tp2_and_pp2_tp2():
+    reference, reference_fp16 = launch(1)[0]["llama_clipped"], launch(1)[0]["llama_clipped_fp16"]
+    assert 1 <= reference_fp16["skipped"] < STEPS
+    for world in (2, 4):
+        for run in (rank["llama_sp"] for rank in launch(world)):
+            assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+            assert run["warnings"] == []  # every layer runs sequence-parallel
+            assert "SequenceParallelLlamaDecoderLayer" in run["classes"].values()  # under pp2 one per stage
+        for run in (rank["llama_sp_fp16"] for rank in launch(world)):
+            assert run["skipped"] == reference_fp16["skipped"]
+            assert run["losses"] == pytest.approx(reference_fp16["losses"], rel=2e-2)
+    # the attention's dropout (inside the blocks, on whole sequences) draws the same with and without it
+    for rank in launch(2):
+        assert rank["llama_sp_dropout"]["losses"] == pytest.approx(rank["llama_dropout"]["losses"], rel=1e-5)
+        assert rank["llama_dropout"]["losses"] != pytest.approx(rank["llama_sp"]["losses"], rel=1e-3)
 
 
 @pytest.mark.timeout(900)

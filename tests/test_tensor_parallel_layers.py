@@ -211,15 +211,42 @@ def _compare_case(build, inputs, forward, *, topology, config) -> float:
     return (out_split - out_whole).abs().max().item()
 
 
+def _sequence_region_case():
+    """Three pre-norm layers in a ModuleList (one sequence-parallel region), residual dropout on: the same masks."""
+
+    def build():
+        layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(D, HEADS, FF, dropout=0.3, batch_first=True, norm_first=True) for _ in range(3)
+        )
+        for layer in layers:  # dropout on the residual stream only, where one device draws the same masks
+            layer.dropout.p, layer.self_attn.dropout = 0.0, 0.0
+        return layers
+
+    def forward(m, xs):
+        torch.manual_seed(7)
+        x = xs[0]
+        for layer in m:
+            x = layer(x, src_mask=_causal(), is_causal=True)
+        return x
+
+    return build, lambda: [torch.randn(B, T, D)], forward
+
+
 def check_layers() -> dict[str, float]:
-    """Every case on a tensor-parallel group spanning the job; returns each case's largest output error."""
+    """Every case on a tensor-parallel group spanning the job, then the transformer layers again with sequence
+    parallelism; returns each case's largest output error."""
     world = dist.get_world_size()
     topology = topology_builder.build(dp=1, pp=1, tp=world, order="DPT", device_type="cpu")
     config = SMPConfig(tensor_parallel_degree=world)
+    sequence_parallel = SMPConfig(tensor_parallel_degree=world, sequence_parallel=True)
+    cases = {name: (case, config) for name, case in _all_cases().items()}
+    layers = {name: case for name, case in _all_cases().items() if name.startswith(("encoder", "decoder"))}
+    cases.update({f"{name}[sequence_parallel]": (case, sequence_parallel) for name, case in layers.items()})
+    cases["region[sequence_parallel,dropout]"] = (_sequence_region_case(), sequence_parallel)
     errors = {}
-    for name, (build, inputs, forward) in _all_cases().items():
+    for name, ((build, inputs, forward), case_config) in cases.items():
         try:
-            errors[name] = _compare_case(build, inputs, forward, topology=topology, config=config)
+            errors[name] = _compare_case(build, inputs, forward, topology=topology, config=case_config)
         except Exception as error:
             raise AssertionError(f"case {name}: {error}") from error
     errors.update(_eval_encoder_skips_fused_kernels(topology, config))
@@ -336,7 +363,8 @@ def launch(world: int) -> list[dict]:
 def test_split_layers_match_the_whole_layer(world):
     results = [rank["layers"] for rank in launch(world)]
     assert results[0].keys() == results[-1].keys()
-    assert len(results[0]) > 20
+    assert len(results[0]) > 40
+    assert sum(name.endswith("[sequence_parallel]") for name in results[0]) >= 14
     assert max(results[0].values()) < 1e-5
 
 

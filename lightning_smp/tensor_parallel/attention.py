@@ -11,6 +11,7 @@ up to float reassociation in the reductions.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,9 +156,12 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
             query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
             if key_padding_mask is not None:
                 key_padding_mask = key_padding_mask.unsqueeze(0)
-        tgt_len, bsz, embed_dim = query.shape
-        if embed_dim != self.embed_dim:
-            raise ValueError(f"query has embedding dim {embed_dim}, but this attention layer expects {self.embed_dim}.")
+        if query.shape[-1] != self.embed_dim:
+            raise ValueError(
+                f"query has embedding dim {query.shape[-1]}, but this attention layer expects {self.embed_dim}."
+            )
+        q, k, v = self._in_projection(query, key, value, tp)  # (L, N, E/tp), (S, N, E/tp), (S, N, E/tp)
+        tgt_len, bsz = q.shape[:2]  # L: the whole sequence, also when the query came as a slice of it
         heads = self.num_heads // tp.size
         head_dim = self.head_dim
         first_head = tp.rank * heads
@@ -172,7 +176,6 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
         elif key_padding_mask is not None:
             is_causal = False  # the merged mask is no longer causal
 
-        q, k, v = self._in_projection(query, key, value, tp)  # (L, N, E/tp), (S, N, E/tp), (S, N, E/tp)
         src_len = k.shape[0]
         if attn_mask is not None:
             attn_mask = _local_attn_mask(attn_mask, bsz, self.num_heads, first_head, heads, tgt_len, src_len)
@@ -212,7 +215,7 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
                 with tp.rng.fork(weights.device):
                     weights = F.dropout(weights, p=dropout_p)
             output = torch.bmm(weights, v).transpose(0, 1).reshape(tgt_len * bsz, heads * head_dim)
-            output = self.out_proj(output).view(tgt_len, bsz, self.embed_dim)
+            output = self.out_proj(output).view(-1, bsz, self.embed_dim)  # (L or L/tp, N, E)
             weights = weights.view(bsz, heads, tgt_len, src_len)
             if average_attn_weights:  # the mean over all heads: a sum over ranks of local sums
                 weights = reduce_from_region(weights.sum(dim=1) / self.num_heads, tp.group)
@@ -235,35 +238,75 @@ class DistributedMultiheadAttention(TensorParallelModule, nn.MultiheadAttention)
                 output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
         else:
             output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)  # (N, H/tp, L, d)
-        output = output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, heads * head_dim)
-        output = self.out_proj(output).view(tgt_len, bsz, self.embed_dim)  # row-parallel: whole output
+        output = self._out_projection(output).view(-1, bsz, self.embed_dim)  # (L, N, E), or (L/tp, N, E)
         if not is_batched:
             output = output.squeeze(1)
         return output, None
 
+    def _out_projection(self, heads: Tensor) -> Tensor:
+        """``out_proj`` (row-parallel) of the attention's output ``(N, H/tp, L, d)``, keeping that output for backward
+        (which the attention keeps too) rather than its ``(L·N, E/tp)`` copy: 2 bytes per token and feature less."""
+        proj = self.out_proj
+        tp = proj.tp_context
+        assert tp is not None
+        output = tp.row_output(_HeadsLinear.apply(heads, proj.weight))  # (L·N or L/tp·N, E)
+        return output + proj.bias if proj.bias is not None else output
+
     def _in_projection(self, query: Tensor, key: Tensor, value: Tensor, tp: TensorParallel) -> tuple[Tensor, ...]:
-        """This rank's q, k, v: column-parallel projections of the whole inputs (one all-reduce backward each)."""
-        q_in = copy_to_region(query, tp.group)
-        k_in = q_in if key is query else copy_to_region(key, tp.group)
-        v_in = k_in if value is key else (q_in if value is query else copy_to_region(value, tp.group))
+        """This rank's q, k, v: column-parallel projections of the whole inputs (one all-reduce backward each).
+        Under sequence parallelism the query arrives as this rank's slice of the sequence (dim 0), gathered by the
+        projection that takes it; a key or value that is not the query (cross-attention's memory) arrives whole."""
+        group = tp.group
         if not self._packed_qkv:
+            q_in = tp.column_input(query)
+            k_in = q_in if key is query else copy_to_region(key, group)
+            v_in = k_in if value is key else (q_in if value is query else copy_to_region(value, group))
             biases = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None, None, None)
             weights = (self.q_proj_weight, self.k_proj_weight, self.v_proj_weight)
             return tuple(F.linear(x, w, b) for x, w, b in zip((q_in, k_in, v_in), weights, biases, strict=True))
         weight, bias = self.in_proj_weight, self.in_proj_bias
         local = weight.shape[0] // 3  # E/tp
-        if q_in is k_in and k_in is v_in:  # self-attention: one matmul
-            packed = F.linear(q_in, weight, bias).unflatten(-1, (3, local))
+        if query is key and key is value:  # self-attention: one matmul
+            packed = tp.column_linear(query, weight, bias).unflatten(-1, (3, local))
             packed = packed.unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
             return packed[0], packed[1], packed[2]
-        if k_in is v_in:  # encoder-decoder attention: k and v in one matmul
-            w_q, w_kv = weight.split([local, 2 * local])
-            b_q, b_kv = bias.split([local, 2 * local]) if bias is not None else (None, None)
-            kv = F.linear(k_in, w_kv, b_kv).unflatten(-1, (2, local))
+        w_q, w_kv = weight.split([local, 2 * local])
+        b_q, b_kv = bias.split([local, 2 * local]) if bias is not None else (None, None)
+        q = tp.column_linear(query, w_q, b_q)
+        if key is value and key is not query:  # encoder-decoder attention: k and v in one matmul
+            kv = F.linear(copy_to_region(key, group), w_kv, b_kv).unflatten(-1, (2, local))
             kv = kv.unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
-            return F.linear(q_in, w_q, b_q), kv[0], kv[1]
-        biases = bias.chunk(3) if bias is not None else (None, None, None)
-        return tuple(F.linear(x, w, b) for x, w, b in zip((q_in, k_in, v_in), weight.chunk(3), biases, strict=True))
+            return q, kv[0], kv[1]
+        (w_k, w_v), (b_k, b_v) = w_kv.chunk(2), (b_kv.chunk(2) if b_kv is not None else (None, None))
+        k_in, v_in = (tp.column_input(x) if x is query else copy_to_region(x, group) for x in (key, value))
+        return q, F.linear(k_in, w_k, b_k), F.linear(v_in, w_v, b_v)
+
+
+class _HeadsLinear(torch.autograd.Function):
+    """``F.linear`` of the heads ``(N, H, L, d)`` laid out as ``(L·N, H·d)``, keeping the heads (not the copy the
+    layout takes) for backward, which lays them out again."""
+
+    @staticmethod
+    def forward(ctx: Any, heads: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(heads, weight)
+        return F.linear(_tokens_first(heads), weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        heads, weight = ctx.saved_tensors
+        grad_heads = grad_weight = None
+        if ctx.needs_input_grad[0]:
+            batch, count, length, width = heads.shape
+            grad_heads = grad.mm(weight).view(length, batch, count, width).permute(1, 2, 0, 3)
+        if ctx.needs_input_grad[1]:
+            grad_weight = grad.t().mm(_tokens_first(heads))
+        return grad_heads, grad_weight
+
+
+def _tokens_first(heads: Tensor) -> Tensor:
+    """``(N, H, L, d)`` as ``(L·N, H·d)``, sequence-first (a copy)."""
+    batch, count, length, width = heads.shape
+    return heads.permute(2, 0, 1, 3).reshape(length * batch, count * width)
 
 
 def _local_attn_mask(

@@ -9,37 +9,89 @@ Converting a plain ``torch.nn`` module swaps its class in place (``module.__clas
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_smp._compat import parameter_table
 from lightning_smp.placement import TPShard, place_tp_shard
+from lightning_smp.tensor_parallel.comm import (
+    ShapeOnlyGroup,
+    copy_to_region,
+    gather_sequence,
+    gather_sequence_linear,
+    reduce_from_region,
+    reduce_scatter_sequence,
+)
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 from lightning_smp.tensor_parallel.shard import ShardSpec, remember_meta_whole, shard_of, slice_shard
 
-__all__ = ["TensorParallel", "TensorParallelModule", "WholeTensorParallelModule"]
+__all__ = ["SequenceSplit", "TensorParallel", "TensorParallelModule", "WholeTensorParallelModule"]
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceSplit:
+    """Sequence parallelism as one module meets it: outside the span from a column-parallel entry to a row-parallel
+    exit, each rank holds 1/tp of the sequence, along ``dim`` of the activations."""
+
+    dim: int
+    input_whole: bool = False
+    """The module receives the whole sequence: a column-parallel layer whose block has gathered it uses it as it
+    is; the first layer of a sequence-parallel region takes its own slice of it."""
+    output_whole: bool = False
+    """The module returns the whole sequence: the last layer of a region all-gathers its output."""
 
 
 @dataclass(frozen=True, eq=False)
 class TensorParallel:
-    """One model replica's tensor-parallel group, as the layers see it."""
+    """One model replica's tensor-parallel group, as one module sees it."""
 
-    group: dist.ProcessGroup
-    """The tensor-parallel process group (the topology's "tp" axis)."""
+    group: dist.ProcessGroup | ShapeOnlyGroup
+    """The tensor-parallel process group (the topology's "tp" axis); a `ShapeOnlyGroup` in the memory planner."""
     rank: int
     """This rank's index in ``group``: which shard it holds."""
     size: int
     """Number of shards."""
     rng: TensorParallelRNG
     """The random stream for dropout inside sharded regions."""
+    sequence: SequenceSplit | None = None
+    """How the module meets sequence parallelism; None: the activations around it are whole."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TensorParallel:
         return self  # process groups cannot be copied; a copied module shares its group
+
+    def with_sequence(self, sequence: SequenceSplit | None) -> TensorParallel:
+        """The same group and stream, meeting sequence parallelism as ``sequence`` says."""
+        return dataclasses.replace(self, sequence=sequence)
+
+    def column_input(self, input: Tensor) -> Tensor:
+        """The input of a column-parallel layer: the whole activation, whose gradient sums every rank's part
+        (the all-reduce of "f", or under sequence parallelism the all-gather whose backward reduce-scatters)."""
+        sequence = self.sequence
+        if sequence is None:
+            return copy_to_region(input, self.group)
+        return input if sequence.input_whole else gather_sequence(input, self.group, sequence.dim)
+
+    def column_linear(self, input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """A column-parallel ``F.linear`` of ``input``: of `column_input`, or under sequence parallelism of the
+        sequence gathered from this rank's slice, keeping only the slice for backward."""
+        sequence = self.sequence
+        if sequence is not None and not sequence.input_whole:
+            return gather_sequence_linear(input, weight, bias, self.group, sequence.dim)
+        return F.linear(self.column_input(input), weight, bias)
+
+    def row_output(self, partial: Tensor) -> Tensor:
+        """The output of a row-parallel layer from this rank's partial sum: all-reduced ("g"), or under sequence
+        parallelism reduce-scattered to this rank's slice of the sequence."""
+        if self.sequence is None:
+            return reduce_from_region(partial, self.group)
+        return reduce_scatter_sequence(partial, self.group, self.sequence.dim)
 
 
 class TensorParallelModule(nn.Module):
@@ -50,6 +102,11 @@ class TensorParallelModule(nn.Module):
     """
 
     _tp: TensorParallel | None = None
+    tp_sequence_role: ClassVar[str | None] = None
+    """How the module takes part in a sequence-parallel layer: "column" (a column-parallel entry), "row" (a
+    row-parallel exit), "block" (gathers the sequence itself, e.g. GPT-2's attention), "whole" (acts on whole
+    sequences between an entry and an exit, e.g. a per-head norm), "slice" (acts on the slice); None: it needs
+    the whole sequence, so a layer holding it runs without sequence parallelism."""
 
     @property
     def tp_distributed(self) -> bool:

@@ -18,8 +18,8 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
 from transformers.pytorch_utils import Conv1D
 from typing_extensions import override
 
-from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
-from lightning_smp.tensor_parallel.comm import copy_to_region, reduce_from_region
+from lightning_smp.tensor_parallel.base import SequenceSplit, TensorParallel, TensorParallelModule
+from lightning_smp.tensor_parallel.sequence import SequenceParallelDropout, gather_hidden
 from lightning_smp.tensor_parallel.shard import ShardSpec
 
 __all__ = ["LAYERS_BY_STYLE", "ColumnParallelConv1D", "GPT2AttentionParallel", "RowParallelConv1D"]
@@ -28,6 +28,8 @@ __all__ = ["LAYERS_BY_STYLE", "ColumnParallelConv1D", "GPT2AttentionParallel", "
 class ColumnParallelConv1D(TensorParallelModule, Conv1D):
     """``Conv1D`` split along its output features (``nf``); ``blocks`` > 1 keeps this rank's part of each of that
     many packed weights (GPT-2's ``c_attn``: q, k, v)."""
+
+    tp_sequence_role: ClassVar[str | None] = "column"
 
     blocks: ClassVar[int] = 1
 
@@ -47,7 +49,7 @@ class ColumnParallelConv1D(TensorParallelModule, Conv1D):
     def forward(self, x: Tensor) -> Tensor:
         if self._tp is None:
             return super().forward(x)
-        x = copy_to_region(x, self._tp.group)
+        x = self._tp.column_input(x)
         output = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # (N, nf/tp)
         return output.view(*x.shape[:-1], -1)
 
@@ -58,6 +60,8 @@ class _PackedQKVConv1D(ColumnParallelConv1D):
 
 class RowParallelConv1D(TensorParallelModule, Conv1D):
     """``Conv1D`` split along its input features (``nx``): this rank's input slice in, the whole output out."""
+
+    tp_sequence_role: ClassVar[str | None] = "row"
 
     @override
     @classmethod
@@ -75,13 +79,15 @@ class RowParallelConv1D(TensorParallelModule, Conv1D):
     def forward(self, x: Tensor) -> Tensor:
         if self._tp is None:
             return super().forward(x)
-        partial = torch.mm(x.reshape(-1, x.shape[-1]), self.weight)  # (N, nf), summed over the ranks next
-        return (reduce_from_region(partial, self._tp.group) + self.bias).view(*x.shape[:-1], -1)
+        partial = torch.mm(x.reshape(-1, x.shape[-1]), self.weight).view(*x.shape[:-1], -1)  # (..., nf), partial
+        return self._tp.row_output(partial) + self.bias
 
 
 class GPT2AttentionParallel(TensorParallelModule, GPT2Attention):
     """GPT-2's self-attention split by heads: ``c_attn`` column-parallel over its q, k, v blocks, ``c_proj``
     row-parallel (one all-reduce forward, one backward). Cross-attention stays whole."""
+
+    tp_sequence_role: ClassVar[str | None] = "block"
 
     _CHILDREN: ClassVar[dict[str, type[TensorParallelModule]]] = {
         "c_attn": _PackedQKVConv1D,
@@ -116,8 +122,12 @@ class GPT2AttentionParallel(TensorParallelModule, GPT2Attention):
         for name, child_class in cls._CHILDREN.items():
             child_class.tp_convert(getattr(module, name))
 
+    draws_own_dropout: ClassVar[bool] = True  # a sequence-parallel layer around it leaves its dropouts alone
+
     @override
     def forward(self, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor | None]:
+        if self._tp is not None and self._tp.sequence is not None:  # the hidden states arrive as a slice
+            args, kwargs = gather_hidden(self, self._tp, args, kwargs)
         if self._tp is None or not self.training or self.attn_dropout.p == 0:
             return super().forward(*args, **kwargs)
         # The attention dropout acts on this rank's heads: it draws from the rank's own stream. The residual dropout
@@ -133,8 +143,15 @@ class GPT2AttentionParallel(TensorParallelModule, GPT2Attention):
 
     @override
     def _tp_distribute(self, tp: TensorParallel, shared: dict[int, nn.Parameter]) -> None:
-        for name in self._CHILDREN:
-            getattr(self, name)._tp_distribute(tp, shared)
+        sequence = tp.sequence
+        if sequence is None:
+            self.c_attn._tp_distribute(tp, shared)
+            self.c_proj._tp_distribute(tp, shared)
+        else:  # c_attn takes the hidden states `forward` gathered; c_proj and the residual dropout act on the slice
+            self.c_attn._tp_distribute(tp.with_sequence(SequenceSplit(sequence.dim, input_whole=True)), shared)
+            self.c_proj._tp_distribute(tp.with_sequence(SequenceSplit(sequence.dim)), shared)
+            SequenceParallelDropout.tp_convert(self.resid_dropout)
+            self.resid_dropout._tp_distribute(tp.with_sequence(SequenceSplit(sequence.dim)), shared)
         self.split_size = self.embed_dim // tp.size  # forward splits c_attn's (local) output into q, k, v with it
         self._tp = tp
 

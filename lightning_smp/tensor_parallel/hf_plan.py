@@ -40,6 +40,7 @@ SELF_CONTAINED_STYLES = frozenset(
         "embedding_rowwise",
         "vocab",
         "replicate",
+        "sequence_parallel",
         "auto",
     }
 )

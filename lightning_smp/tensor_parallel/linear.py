@@ -10,12 +10,14 @@ one all-reduce forward and one backward.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_smp.tensor_parallel.base import TensorParallelModule
-from lightning_smp.tensor_parallel.comm import copy_to_region, gather_from_region, reduce_from_region, scatter_to_region
+from lightning_smp.tensor_parallel.comm import gather_from_region, scatter_to_region
 from lightning_smp.tensor_parallel.shard import ShardSpec
 
 __all__ = [
@@ -34,6 +36,8 @@ class ColumnParallelLinear(TensorParallelModule, nn.Linear):
     False: each rank returns its ``out_features / tp`` slice, to feed a `RowParallelLinear` or a vocab-parallel
     loss).
     """
+
+    tp_sequence_role: ClassVar[str | None] = "column"
 
     gather_output: bool = False
 
@@ -62,9 +66,8 @@ class ColumnParallelLinear(TensorParallelModule, nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         if self._tp is None:
             return F.linear(input, self.weight, self.bias)
-        group = self._tp.group
-        output = F.linear(copy_to_region(input, group), self.weight, self.bias)  # (..., out/tp)
-        return gather_from_region(output, group) if self.gather_output else output
+        output = self._tp.column_linear(input, self.weight, self.bias)  # (..., out/tp)
+        return gather_from_region(output, self._tp.group) if self.gather_output else output
 
     @override
     def extra_repr(self) -> str:
@@ -74,6 +77,8 @@ class ColumnParallelLinear(TensorParallelModule, nn.Linear):
 class GatheredColumnParallelLinear(ColumnParallelLinear):
     """A `ColumnParallelLinear` whose output is all-gathered: whole input in, whole output out (the plan style
     "colwise_gather_output", e.g. a language-model head whose logits a whole-vocabulary loss reads)."""
+
+    tp_sequence_role: ClassVar[str | None] = None
 
     gather_output: bool = True
 
@@ -109,6 +114,8 @@ class RowParallelLinear(TensorParallelModule, nn.Linear):
     slice (default True, as after a `ColumnParallelLinear`); False takes the whole input and slices it.
     """
 
+    tp_sequence_role: ClassVar[str | None] = "row"
+
     input_is_parallel: bool = True
 
     def __init__(
@@ -133,10 +140,9 @@ class RowParallelLinear(TensorParallelModule, nn.Linear):
     def forward(self, input: Tensor) -> Tensor:
         if self._tp is None:
             return F.linear(input, self.weight, self.bias)
-        group = self._tp.group
         if not self.input_is_parallel:
-            input = scatter_to_region(input, group)  # (..., in/tp)
-        output = reduce_from_region(F.linear(input, self.weight), group)  # (..., out)
+            input = scatter_to_region(input, self._tp.group)  # (..., in/tp)
+        output = self._tp.row_output(F.linear(input, self.weight))  # (..., out), or its slice of the sequence
         return output + self.bias if self.bias is not None else output
 
     @override
@@ -148,6 +154,8 @@ class RowParallelLinear(TensorParallelModule, nn.Linear):
 class DistributedLinear(RowParallelLinear):
     """smp's ``smp.nn.DistributedLinear``: a drop-in ``nn.Linear`` (whole input, whole output) whose weight is
     split along the input features. Prefer a `ColumnParallelLinear` → `RowParallelLinear` pair for an MLP."""
+
+    tp_sequence_role: ClassVar[str | None] = None
 
     input_is_parallel: bool = False
 

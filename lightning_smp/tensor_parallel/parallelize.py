@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
     from lightning_smp.topology import Topology
 
-__all__ = ["parallelize"]
+__all__ = ["apply_plan", "parallelize"]
 
 log = logging.getLogger(__name__)
 
@@ -50,13 +50,15 @@ def parallelize(
     """
     tp_size = topology.size("tp")
     if plan is None:
-        plan = plan_tensor_parallel(model, tp_size=tp_size, patterns=config.tensor_parallel_plan)
+        plan = plan_tensor_parallel(
+            model, tp_size=tp_size, patterns=config.tensor_parallel_plan, sequence_parallel=config.sequence_parallel
+        )
     if tp_size == 1:
         return model
     first_call = _DONE_ATTRIBUTE not in model.__dict__
     model.__dict__[_DONE_ATTRIBUTE] = True
     if first_call or plan.units:
-        _warn_about(plan, tp_size)
+        _warn_about(plan, tp_size, sequence_parallel=config.sequence_parallel and first_call)
         # even with nothing to split the tp ranks must hold one model: they train on the same batches
         group, device = topology.group("tp"), _collective_device(topology)
         _broadcast_unsharded_state(model, group, device)
@@ -65,11 +67,7 @@ def parallelize(
         config.tensor_parallel_seed, tp_rank=topology.rank("tp"), tp_size=tp_size, pp_rank=topology.rank("pp")
     )
     tp = TensorParallel(group=topology.group("tp"), rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
-    shared: dict[int, nn.Parameter] = {}
-    for unit in plan.units:
-        if type(unit.module) is not unit.target:
-            unit.target.tp_convert(unit.module)
-        unit.module._tp_distribute(tp, shared)
+    apply_plan(plan, tp)
     _keep_transformer_encoders_off_nested_tensors(model)
     sharded = replicated = 0
     for param in model.parameters():
@@ -80,16 +78,28 @@ def parallelize(
         if tp.rank > 0:
             mark_norm_duplicate(param, axis="tp")  # tp-rank 0 counts the replicated values in the global norm
     log.info(
-        "tensor parallelism: split %d module(s) over tp=%d; this rank holds %d sharded + %d replicated parameters",
+        "lightning_smp tensor parallelism: split %d module(s) over tp=%d (%d layer(s) sequence-parallel); this rank "
+        "holds %d sharded + %d replicated parameters",
         len(plan.units),
         tp_size,
+        len(plan.sequence_layers),
         sharded,
         replicated,
     )
     return model
 
 
-def _warn_about(plan: TensorParallelPlan, tp_size: int) -> None:
+def apply_plan(plan: TensorParallelPlan, tp: TensorParallel) -> None:
+    """Convert and slice every unit of ``plan`` for this rank of ``tp``; no collective (the memory planner runs it
+    on a model on the meta device with a `ShapeOnlyGroup`)."""
+    shared: dict[int, nn.Parameter] = {}
+    for unit in plan.units:
+        if type(unit.module) is not unit.target:
+            unit.target.tp_convert(unit.module)
+        unit.module._tp_distribute(tp.with_sequence(unit.sequence), shared)
+
+
+def _warn_about(plan: TensorParallelPlan, tp_size: int, *, sequence_parallel: bool) -> None:
     if plan.kept_whole:
         listed = "; ".join(f"{label}: {reason}" for label, reason in plan.kept_whole)
         rank_zero_warn(
@@ -103,6 +113,29 @@ def _warn_about(plan: TensorParallelPlan, tp_size: int) -> None:
             "is a layer lightning_smp can split (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer, "
             "nn.MultiheadAttention, nn.Embedding, or smp.nn modules), so nothing is split. Name the layers to split "
             "with SMPStrategy(tensor_parallel_plan={'path.to.fc': 'colwise', 'path.to.proj': 'rowwise'})."
+        )
+    elif not plan.units:
+        rank_zero_warn(
+            f"tensor_parallel_degree={tp_size} splits nothing in this model: no layer was created under "
+            "smp.model_creation(tensor_parallelism=True) / smp.tensor_parallelism(), marked with "
+            "smp.set_tensor_parallelism(), named in tensor_parallel_plan, or is an smp.nn layer, so every "
+            "tensor-parallel rank holds and computes the whole model. Create the layers tensor-parallel, name them "
+            "in SMPStrategy(tensor_parallel_plan=...), or set tensor_parallel_degree=1 to use the ranks for data "
+            "parallelism."
+        )
+    if not sequence_parallel:
+        return
+    if plan.sequence_kept:
+        listed = "; ".join(f"{label}: {reason}" for label, reason in plan.sequence_kept)
+        rank_zero_warn(
+            f"sequence_parallel=True: {len(plan.sequence_kept)} layer(s) keep whole sequences, since sequence "
+            f"parallelism cannot run them: {listed}. They train correctly, with tensor parallelism alone."
+        )
+    if not plan.sequence_layers and not plan.sequence_kept:
+        rank_zero_warn(
+            "sequence_parallel=True changes nothing: no layer of the model is one lightning_smp runs "
+            "sequence-parallel (a split nn.TransformerEncoderLayer / nn.TransformerDecoderLayer, or a decoder layer "
+            "of a Hugging Face model split by its own plan). Set sequence_parallel=False to silence this."
         )
 
 

@@ -14,6 +14,7 @@ is one lightning_smp cannot honour.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Mapping
@@ -27,7 +28,7 @@ from lightning_smp._compat import parameter_table
 from lightning_smp.config import TENSOR_PARALLEL_STYLES
 from lightning_smp.tensor_parallel import hf_plan
 from lightning_smp.tensor_parallel.attention import DistributedMultiheadAttention
-from lightning_smp.tensor_parallel.base import TensorParallelModule
+from lightning_smp.tensor_parallel.base import SequenceSplit, TensorParallelModule
 from lightning_smp.tensor_parallel.creation import creation_setting
 from lightning_smp.tensor_parallel.linear import (
     ColumnParallelLinear,
@@ -37,6 +38,14 @@ from lightning_smp.tensor_parallel.linear import (
     RowParallelLinear,
 )
 from lightning_smp.tensor_parallel.replicated import GradientSummed, gradient_summed_class
+from lightning_smp.tensor_parallel.sequence import (
+    SequenceLayer,
+    SequenceParallelLayer,
+    SequenceParallelModule,
+    gathering_block_class,
+    regions,
+    sequence_parallel_class,
+)
 from lightning_smp.tensor_parallel.shard import ShardSpec
 from lightning_smp.tensor_parallel.transformer import DistributedTransformerDecoderLayer, DistributedTransformerLayer
 from lightning_smp.tensor_parallel.vocab import DistributedEmbedding
@@ -75,6 +84,7 @@ _STYLE_BASES: dict[str, type[TensorParallelModule]] = {
     "vocab": DistributedEmbedding,
     "embedding_rowwise": DistributedEmbedding,
     "replicated_with_grad_allreduce": GradientSummed,
+    "sequence_parallel": SequenceParallelModule,
 }
 _LAYER_NUMBER = re.compile(r"(?<=\.)\d+(?=\.|$|\W)")
 
@@ -91,6 +101,8 @@ class Unit:
     source: Literal["plan", "model", "context", "module"]
     """Why it is split: a user plan pattern, the plan of a transformers model, ``smp.tensor_parallelism()``, or its
     own (tensor-parallel) class."""
+    sequence: SequenceSplit | None = None
+    """How it meets sequence parallelism (`sequence.py`); None: the activations around it are whole."""
 
     @property
     def label(self) -> str:
@@ -107,12 +119,20 @@ class TensorParallelPlan:
     """How many modules were created with tensor parallelism enabled."""
     sharded_specs: dict[str, ShardSpec] = field(default_factory=dict)
     """Qualified parameter name -> its split, for every parameter the plan shards."""
+    sequence_kept: tuple[tuple[str, str], ...] = ()
+    """``(layer label, reason)`` of every layer that runs on whole sequences although ``sequence_parallel`` is on."""
+
+    @property
+    def sequence_layers(self) -> tuple[Unit, ...]:
+        """The layers that run sequence-parallel (each holds its slice of the sequence between its blocks)."""
+        return tuple(unit for unit in self.units if issubclass(unit.target, SequenceParallelLayer) and unit.sequence)
 
 
 def plan_tensor_parallel(
-    model: nn.Module, *, tp_size: int, patterns: Mapping[str, str] | None = None
+    model: nn.Module, *, tp_size: int, patterns: Mapping[str, str] | None = None, sequence_parallel: bool = False
 ) -> TensorParallelPlan:
-    """Which modules of ``model`` to split ``tp_size`` ways; raises ``ValueError`` for an unusable ``patterns``."""
+    """Which modules of ``model`` to split ``tp_size`` ways (and, with ``sequence_parallel``, which layers hold a
+    slice of the sequence); raises ``ValueError`` for an unusable ``patterns``."""
     found = _find_units(model, dict(patterns or {}))
     units = found.units
     reasons = {id(unit): unit.target.tp_unsplittable(unit.module, tp_size) for unit in units}
@@ -140,8 +160,13 @@ def plan_tensor_parallel(
         for unit in split
         for name, spec in unit.target.tp_shard_specs(unit.module).items()
     }
+    split, sequence_kept = _plan_sequence(model, found, split, sequence_parallel and tp_size > 1)
     return TensorParallelPlan(
-        units=split, kept_whole=tuple(kept), created_tensor_parallel=found.created, sharded_specs=specs
+        units=split,
+        kept_whole=tuple(kept),
+        created_tensor_parallel=found.created,
+        sharded_specs=specs,
+        sequence_kept=tuple(sequence_kept),
     )
 
 
@@ -278,6 +303,8 @@ def _lookup_target(module: nn.Module, style: str) -> type[TensorParallelModule] 
         return type(module) if style == "auto" or (base is not None and isinstance(module, base)) else None
     if style == "replicated_with_grad_allreduce":
         return gradient_summed_class(type(module))
+    if style == "sequence_parallel":
+        return sequence_parallel_class(type(module))
     own = _BY_STYLE.get(style, {}).get(type(module))
     return own or hf_plan.layers_by_style().get(style, {}).get(type(module))
 
@@ -390,3 +417,107 @@ def _shared_weight_conflicts(model: nn.Module, units: list[Unit]) -> dict[Unit, 
         if not newly:
             return blocked
         blocked.update(newly)
+
+
+# -- sequence parallelism ---------------------------------------------------------------------------------------
+
+_HF_SEQUENCE_DIM = 1  # transformers' hidden states are (batch, sequence, features)
+
+
+def _plan_sequence(
+    model: nn.Module, found: _Found, split: tuple[Unit, ...], enabled: bool
+) -> tuple[tuple[Unit, ...], list[tuple[str, str]]]:
+    """``split`` with the sequence splits set (and the transformers layers and blocks that take part added) and the
+    layers that stay on whole sequences, with why. Modules of the style "sequence_parallel" always take part."""
+    layers: list[SequenceLayer] = []
+    kept: list[tuple[str, str]] = []
+    if enabled:
+        for unit in split:
+            if isinstance(unit.module, nn.TransformerEncoderLayer | nn.TransformerDecoderLayer):
+                layers.append(SequenceLayer(unit.name, 1 if unit.module.self_attn.batch_first else 0))
+        hf_layers, kept = _transformers_layers(model, found, split)
+        layers += hf_layers
+    splits = regions(layers, model)
+    blocks = {block: layer for layer in layers for block in layer.blocks}
+    in_layer = {unit.name: _enclosing(unit.name, splits) for unit in split}
+    planned = []
+    for unit in split:
+        layer = in_layer[unit.name]
+        if unit.name in splits:
+            planned.append(dataclasses.replace(unit, sequence=splits[unit.name]))
+        elif issubclass(unit.target, SequenceParallelModule):  # style "sequence_parallel"
+            alone = layer is None
+            sequence = SequenceSplit(_HF_SEQUENCE_DIM, input_whole=alone, output_whole=alone)
+            planned.append(dataclasses.replace(unit, sequence=sequence))
+        elif layer is not None and unit.target.tp_sequence_role in ("column", "row", "block"):
+            gathered = _enclosing(unit.name, blocks) is not None and unit.target.tp_sequence_role == "column"
+            planned.append(dataclasses.replace(unit, sequence=SequenceSplit(_HF_SEQUENCE_DIM, input_whole=gathered)))
+        else:
+            planned.append(unit)
+    for block in blocks:
+        module = model.get_submodule(block)
+        target = gathering_block_class(type(module))
+        planned.append(Unit(block, module, target, "model", SequenceSplit(_HF_SEQUENCE_DIM)))
+    for layer in layers:
+        module = model.get_submodule(layer.name)
+        if not isinstance(module, SequenceParallelLayer):  # a transformers layer: it becomes one
+            planned.append(Unit(layer.name, module, sequence_parallel_class(type(module)), "model", splits[layer.name]))
+    return tuple(planned), kept
+
+
+def _transformers_layers(
+    model: nn.Module, found: _Found, split: tuple[Unit, ...]
+) -> tuple[list[SequenceLayer], list[tuple[str, str]]]:
+    """The layers of transformers models whose every plan entry splits in a way sequence parallelism can run, and
+    (label, reason) for the layers that cannot."""
+    split_names = {unit.name for unit in split}
+    by_layer: dict[str, list[Unit]] = {}
+    for unit in found.units:
+        if unit.source != "model":
+            continue
+        layer = _layer_of(model, found.links.get(unit.name, unit.name))
+        if layer is not None:
+            by_layer.setdefault(layer, []).append(unit)
+    layers, kept = [], []
+    for name, units in by_layer.items():
+        reason, blocks = None, set()
+        for unit in units:
+            group = found.links.get(unit.name, unit.name)
+            depth = unit.name.count(".") - group.count(".")
+            role = unit.target.tp_sequence_role
+            if unit.name not in split_names:
+                reason = f"its {unit.label} stays whole"
+            elif depth > 1:
+                reason = f"its plan's blocks meet {depth} levels above their layers, where a residual may be added"
+            elif role is None:
+                reason = f"its {unit.label} needs whole sequences"
+            elif depth == 1 and group != name:
+                blocks.add(group)
+            if reason is not None:
+                break
+        if reason is None and any(isinstance(model.get_submodule(b), TensorParallelModule) for b in blocks):
+            reason = "a block of it is split as a whole"
+        module = model.get_submodule(name)
+        if reason is not None:
+            kept.append((_LAYER_NUMBER.sub("*", f"{name} ({type(module).__name__})"), _LAYER_NUMBER.sub("*", reason)))
+        else:
+            layers.append(SequenceLayer(name, _HF_SEQUENCE_DIM, tuple(sorted(blocks))))
+    return layers, list(dict.fromkeys(kept))
+
+
+def _layer_of(model: nn.Module, name: str) -> str | None:
+    """The nearest module at or above ``name`` that is a child of an ``nn.ModuleList`` / ``nn.Sequential``."""
+    parts = name.split(".")
+    for end in range(len(parts), 0, -1):
+        parent = ".".join(parts[: end - 1])
+        if isinstance(model.get_submodule(parent), nn.ModuleList | nn.Sequential) and parts[end - 1].isdigit():
+            return ".".join(parts[:end])
+    return None
+
+
+def _enclosing(name: str, candidates: Mapping[str, object]) -> str | None:
+    """The candidate that is ``name`` or one of its ancestors, if any."""
+    parts = name.split(".")
+    return next(
+        (".".join(parts[:end]) for end in range(len(parts), 0, -1) if ".".join(parts[:end]) in candidates), None
+    )

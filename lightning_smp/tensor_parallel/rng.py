@@ -38,6 +38,9 @@ class TensorParallelRNG:
     @contextmanager
     def fork(self, device: torch.device) -> Iterator[None]:
         """Draw from this stream inside the block; the default generator is left as it was."""
+        if device.type == "meta":  # the memory planner's trace: no numbers are drawn
+            yield
+            return
         key = str(device)
         get_state, set_state = _accessors(device)
         state = self._states.get(key)

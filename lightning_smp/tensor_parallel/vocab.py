@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_smp.tensor_parallel.base import TensorParallelModule
-from lightning_smp.tensor_parallel.comm import gather_from_region, reduce_from_region
+from lightning_smp.tensor_parallel.comm import all_reduce_, gather_from_region, reduce_from_region
 from lightning_smp.tensor_parallel.linear import ColumnParallelLinear
 from lightning_smp.tensor_parallel.shard import ShardSpec
 
@@ -104,7 +104,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = logits.shape[-1]
         start = group.rank() * rows
         max_logit = logits.max(dim=-1).values  # (N,)
-        dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(max_logit, group, op=dist.ReduceOp.MAX)
         shifted = logits - max_logit.unsqueeze(-1)
         local = target - start
         foreign = (local < 0) | (local >= rows)
@@ -113,7 +113,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = shifted.exp_()  # (N, V/tp), reuses `shifted`
         sum_exp = exp.sum(dim=-1)
         reduced = torch.stack([target_logit, sum_exp])  # one all-reduce for both: (2, N)
-        dist.all_reduce(reduced, group=group)
+        all_reduce_(reduced, group)
         target_logit, sum_exp = reduced[0], reduced[1]
         ignored = target == ignore_index
         loss = (sum_exp.log() - target_logit).masked_fill(ignored, 0.0)
