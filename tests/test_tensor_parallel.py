@@ -224,7 +224,10 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
             if tp > 1:  # the vocabulary-parallel embedding and loss around sequence-parallel layers
                 results[f"vocab_sp_{key}"] = _fit(rank, _TinyGPT(batch, vocab_parallel=True), {**degree, **SP})
     for name, (dropout, strategy_kwargs) in _SEQUENCE_RUNS[world].items():
-        model = _TinyGPT(GLOBAL_BATCH, dropout=dropout, checkpointing=True)
+        readers = world // strategy_kwargs.get("pipeline_parallel_degree", 1)  # a stage's tp x dp ranks read their own
+        if strategy_kwargs.get("prescaled_batch"):
+            readers //= strategy_kwargs["tensor_parallel_degree"]  # ... but a tensor-parallel group shares one
+        model = _TinyGPT(GLOBAL_BATCH // readers, dropout=dropout, checkpointing=True)
         results[name] = _fit(rank, model, strategy_kwargs, validate=True, gradient_clip_val=CLIP)
     return results
 
@@ -233,8 +236,9 @@ def _run_all(rank: int, layouts: list[tuple[int, bool]]) -> dict:
 # gradient clipping: name -> (dropout, strategy settings). Pipeline stages draw their dropout in another order than
 # one device, so the pipelined runs go without (tests/test_tensor_parallel_layers.py checks the masks of a region).
 CLIP, DROPOUT = 0.5, 0.2
-SP, PP2_TP2 = (
+SP, SHARED_BATCH, PP2_TP2 = (
     {"sequence_parallel": True},
+    {"prescaled_batch": True},
     {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
 )
 _SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
@@ -244,9 +248,11 @@ _SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
         "sp_reference_no_dropout": (0.0, {}),
         "sp_reference_fp16_no_dropout": (0.0, FP16),
     },
+    # With dropout, the tensor-parallel ranks share one batch (smp's prescaled_batch=True): the union of batches
+    # read per rank (the default) holds the samples in another order than one device's batch, so other masks.
     2: {
-        "sp_tp2": (DROPOUT, {**SP, "tensor_parallel_degree": 2}),
-        "sp_tp2_fp16": (DROPOUT, {**SP, **FP16, "tensor_parallel_degree": 2}),
+        "sp_tp2": (DROPOUT, {**SP, **SHARED_BATCH, "tensor_parallel_degree": 2}),
+        "sp_tp2_fp16": (DROPOUT, {**SP, **SHARED_BATCH, **FP16, "tensor_parallel_degree": 2}),
     },
     4: {
         "sp_pp2_tp2": (0.0, {**SP, **PP2_TP2, "offload_activations": True}),
