@@ -57,7 +57,7 @@ class LlamaCharLM(GPTCharLM):
         activation_checkpointing: recompute each decoder layer's activations in backward instead of keeping them
             (``smp.set_activation_checkpointing`` on ``model.model.layers``).
         vocab_size: rows of the embedding and the head (the characters need 128; a bigger one plans a real model's
-            logits, as examples/configs/llama3_8b.yaml does).
+            logits, as examples/planning/llama3_8b.yaml does).
     """
 
     def __init__(

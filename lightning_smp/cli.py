@@ -42,6 +42,7 @@ from typing_extensions import override
 
 import lightning_smp  # (registers the strategy names)
 from lightning_smp import memory, smp
+from lightning_smp._compat import tree_map
 from lightning_smp.config import SMPConfig
 
 __all__ = ["estimate", "export_hf", "main", "make_cli"]
@@ -132,7 +133,7 @@ def estimate(args: Sequence[str]) -> None:
     world_size = cli.trainer.num_devices * cli.trainer.num_nodes
     blueprint = copy.deepcopy(cli.model)  # before configure_model: rebuilt per tensor-parallel degree below
     activations = {
-        "batch": _first_batch(cli),
+        "batch": _replica_batch(_first_batch(cli), config),
         "micro_batch_size": options.micro_batch_size,
         "sequence_length": options.sequence_length,
     }
@@ -161,6 +162,16 @@ def _first_batch(cli: LightningCLI) -> Any:
             f"estimate: no training batch from the config's data ({type(error).__name__}: {error})", stacklevel=2
         )
         return None
+
+
+def _replica_batch(batch: Any, config: SMPConfig) -> Any:
+    """What one data-parallel replica trains on per step, from one rank's loader ``batch``: under tensor
+    parallelism with smp's ``prescaled_batch=False`` each tensor-parallel rank reads its own batch and the group
+    trains on their union, tp times the loader's samples (the planner measures that many, as the run computes)."""
+    tp = config.tensor_parallel_degree
+    if batch is None or tp == 1 or config.prescaled_batch:
+        return batch
+    return tree_map(lambda value: torch.cat([value] * tp) if isinstance(value, torch.Tensor) else value, batch)
 
 
 def _print_fitting_layouts(

@@ -10,7 +10,7 @@
   (`plan_tensor_parallel`; seconds);
 - ``loss-scale``: ``fp16_loss_scale.png``: an fp16 run of ``examples/digits_cnn.py``'s CNN, 5 epochs (under two
   minutes of CPU);
-- ``memory``: ``llama3_8b.png``: the memory planner's chart of ``examples/configs/llama3_8b.yaml`` (Llama-3-8B's
+- ``memory``: ``llama3_8b.png``: the memory planner's chart of ``examples/planning/llama3_8b.yaml`` (Llama-3-8B's
   shape on 8 x 40 GB at 8192 tokens; ``lightning-smp estimate --plot``, its activations traced on the meta device).
 
 tests/test_docs_site.py checks that every file here exists and that a docs page shows it (and that every picture a
@@ -204,7 +204,7 @@ def draw_memory(out: Path) -> None:
     sys.path.insert(0, str(_ROOT))
     from lightning_smp import cli
 
-    command = ["estimate", "--config", str(_ROOT / "examples" / "configs" / "llama3_8b.yaml")]
+    command = ["estimate", "--config", str(_ROOT / "examples" / "planning" / "llama3_8b.yaml")]
     command += ["--device-memory", "40GB", "--micro-batch-size", "1", "--sequence-length", "8192"]
     cli.main([*command, "--plot", str(out / "llama3_8b.png")])
 

@@ -205,7 +205,7 @@ def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys
         cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml"), "--device-memory", "40 gigs"])
     assert "'40 gigs' is not a size" in capsys.readouterr().err
     cli.main(["estimate", "--config", str(_CONFIGS / "tp.yaml")])
-    out = capsys.readouterr().out  # the activations of a batch of the config's data, as it comes: 32 x 64
+    out = capsys.readouterr().out  # a replica's batch: each tp rank's 16 x 64 of the config's data, together
     assert "pp=1 x tp=2 x dp=1" in out and "measured: one microbatch ((32, 64), (32, 64))" in out
     assert "PL_GLOBAL_SEED" not in os.environ  # a plan seeds nothing: processes started later build their own
 
