@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-import lightning_smp.strategy
+import lightning_smp.build
 from lightning_smp import SMPStrategy, activation_checkpointing, smp
 from lightning_smp.activation_offloading import ActivationOffloader
 from tests.distributed import run_distributed
@@ -272,7 +272,7 @@ class _CountingOffloader(ActivationOffloader):
 
 def _fit_pipelined(rank: int) -> dict:
     torch.set_num_threads(1)
-    lightning_smp.strategy.ActivationOffloader = _CountingOffloader  # this rank process only
+    lightning_smp.build.ActivationOffloader = _CountingOffloader  # this rank process only (the build makes it)
     options = dict(devices=2, pipeline_parallel_degree=2, microbatches=2)
     results = {"checkpointed": _fit_gpt(**options), "offloaded": _fit_gpt(**options, offload_activations=True)}
     # zero bubble: the last stage's split backward recomputes each block twice, loading its inputs back twice
