@@ -27,6 +27,7 @@ without communicating: the memory planner traces a split model on the meta devic
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -90,10 +91,17 @@ def _all_gather(tensor: Tensor, dim: int, group: Group) -> Tensor:
     if isinstance(group, ShapeOnlyGroup):
         return torch.cat([tensor] * size, dim=dim)
     dim = dim % tensor.dim()
-    tensor = tensor.movedim(dim, 0).contiguous()  # (n, ...): gathered as (size * n, ...), rank order
-    gathered = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
-    _gather_single(gathered, tensor, group=group)
-    return gathered.movedim(0, dim).contiguous()  # a no-op for dim 0, else one copy
+    tensor = tensor.contiguous()
+    gathered = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))  # rank r's tensor is block r
+    if tensor.device.type == "cpu":
+        blocks = list(gathered.chunk(size))
+        blocks[group.rank()].copy_(tensor)
+        _exchange([tensor] * size, blocks, group)
+    else:
+        _gather_single(gathered, tensor, group=group)
+    if dim == 0:
+        return gathered
+    return torch.cat(gathered.chunk(size), dim=dim)  # one copy, in runs as long as the dims after ``dim``
 
 
 def _reduce_scatter(tensor: Tensor, dim: int, group: Group) -> Tensor:
@@ -103,10 +111,35 @@ def _reduce_scatter(tensor: Tensor, dim: int, group: Group) -> Tensor:
     if isinstance(group, ShapeOnlyGroup):
         return tensor.chunk(size, dim=dim)[group.rank()].contiguous()
     dim = dim % tensor.dim()
-    moved = tensor.movedim(dim, 0).contiguous()  # (size * n, ...): rank r's slice is rows [r n, (r + 1) n)
-    output = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
-    _reduce_scatter_single(output, moved, group=group)
-    return output.movedim(0, dim).contiguous()
+    # rank r's slice laid out as block r: a view for dim 0 of a contiguous tensor, else one copy in long runs
+    stacked = tensor.contiguous() if dim == 0 else torch.cat(tensor.chunk(size, dim=dim), dim=0)
+    if tensor.device.type == "cpu":
+        mine = list(stacked.chunk(size))
+        received = [torch.empty_like(block) for block in mine]
+        received[group.rank()] = mine[group.rank()]
+        _exchange(mine, received, group)
+        return functools.reduce(torch.add, received)  # in rank order
+    output = stacked.new_empty((stacked.shape[0] // size, *stacked.shape[1:]))
+    _reduce_scatter_single(output, stacked, group=group)
+    return output
+
+
+def _exchange(sends: list[Tensor], receives: list[Tensor], group: Group) -> None:
+    """Send ``sends[r]`` to and receive ``receives[r]`` from every other rank ``r`` of ``group``, point to point.
+
+    The all-gather and reduce-scatter of CPU tensors go this way: gloo's reduce-scatter all-reduces the whole
+    tensor and keeps a slice, and its all-gather copies through a staging buffer; both cost 1.5-3x the exchange of
+    the same bytes (benchmarks/NOTES.md, "Sequence parallelism: step time").
+    """
+    me = group.rank()
+    ops = []
+    for peer in range(group.size()):
+        if peer != me:
+            rank = dist.get_global_rank(group, peer)
+            ops.append(dist.P2POp(dist.isend, sends[peer], rank, group))
+            ops.append(dist.P2POp(dist.irecv, receives[peer], rank, group))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 def _own_slice(tensor: Tensor, dim: int, group: Group) -> Tensor:
