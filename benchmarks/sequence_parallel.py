@@ -1,7 +1,8 @@
 """Activations with and without sequence parallelism, counted on live ranks; the memory planner against those counts;
 step time against Lightning's ModelParallelStrategy running torch's own tensor-parallel plan.
 
-Three measurements, each layout in fresh processes whose ranks Lightning launches:
+Three measurements; the layouts of one device count share one launch of processes Lightning starts, fitted one after
+the other:
 
 - ``bytes``: the GPT of ``memory_scale.py`` (``nn.TransformerEncoderLayer``s with ReLU, fp16, residual dropout 0.1
   unless ``--dropout``) at tp2 and tp4, with and without ``sequence_parallel``: the exact bytes each rank keeps for
@@ -13,12 +14,14 @@ Three measurements, each layout in fresh processes whose ranks Lightning launche
   meta device for its stage.
 - ``time``: a Llama at tp2, ours without and with sequence parallelism, and Lightning's ``ModelParallelStrategy``
   with torch's ``ColwiseParallel`` / ``RowwiseParallel`` (``+ SequenceParallel``) plan on the same model, fp32: the
-  median step after a warm-up, in one run, in wall-clock seconds and in CPU seconds of the slowest rank (which other
-  jobs on a shared machine do not inflate).
+  median step after a warm-up step, in wall-clock seconds and in CPU seconds of the slowest rank (which other jobs
+  on a shared machine inflate less), all four in turn in one launch, ``--repeats`` rounds (interleaved: a change in
+  the machine's load falls on every layout alike); the ratios are taken within each round, then their median.
 
     python benchmarks/sequence_parallel.py bytes --out bytes.json              # full size, seq 1024
     python benchmarks/sequence_parallel.py planner --size smoke --out p.json   # what tests/test_memory.py runs
-    python benchmarks/sequence_parallel.py time --out time.json
+    python benchmarks/sequence_parallel.py time --out time.json              # 5 rounds
+    python benchmarks/sequence_parallel.py time --size smoke --steps 1 --repeats 1 --out t.json   # the test's
 """
 
 from __future__ import annotations
@@ -249,11 +252,14 @@ class _Probe(Callback):
 
 def run_layouts(model: str, layouts: list[str], size: str, path: str, args: argparse.Namespace) -> None:
     """Layouts of one device count, in this process and the ranks Lightning launches from it, each without and
-    (``--checkpointing``) with activation checkpointing, one fit after the other; rank 0 writes the records of each
-    (to ``path`` + ``.layout.0`` or ``.1``)."""
-    for layout in layouts:
-        for checkpointing in (False, True) if args.checkpointing else (False,):
-            _fit_layout(model, layout, size, f"{path}.{layout}.{int(checkpointing)}", args, checkpointing=checkpointing)
+    (``--checkpointing``) with activation checkpointing, one fit after the other, all of them ``--repeats`` times
+    in turn (interleaved, so that a change in the machine's load falls on every layout alike); rank 0 writes the
+    records of each fit (to ``path`` + ``.layout.0.repeat`` or ``.layout.1.repeat``)."""
+    for repeat in range(args.repeats):
+        for layout in layouts:
+            for checkpointing in (False, True) if args.checkpointing else (False,):
+                fit_path = f"{path}.{layout}.{int(checkpointing)}.{repeat}"
+                _fit_layout(model, layout, size, fit_path, args, checkpointing=checkpointing)
 
 
 def _fit_layout(
@@ -294,7 +300,7 @@ def _launch(
         sys.exit(f"{model} {','.join(layouts)} failed:\n{done.stderr[-4000:]}")
     variants = (False, True) if checkpointing else (False,)
     return {
-        (layout, ckpt): json.loads(Path(f"{path}.{layout}.{int(ckpt)}").read_text())
+        (layout, ckpt): json.loads(Path(f"{path}.{layout}.{int(ckpt)}.0").read_text())
         for layout in layouts
         for ckpt in variants
     }
@@ -388,19 +394,40 @@ def measure_planner(args: argparse.Namespace) -> dict[str, Any]:
     return {"rows": rows}
 
 
+TIMED = ("tp2", "tp2+sp", "torch-tp2", "torch-tp2+sp")
+
+
 def measure_time(args: argparse.Namespace) -> dict[str, Any]:
-    rows = []
+    """Every layout of `TIMED`, ``--repeats`` rounds in turn, with this process as rank 0 (Lightning starts rank 1
+    by running this command again; it leaves once the fits are done); per layout the median over the rounds of each
+    round's median step of the slowest rank, and its ratio to ours at tp2 in the same round."""
+    os.environ["OMP_NUM_THREADS"] = "1"  # for rank 1 too
     with tempfile.TemporaryDirectory() as tmp:
-        for layout in ("tp2", "tp2+sp", "torch-tp2", "torch-tp2+sp"):  # each in fresh processes
-            ranks = _launch("llama", [layout], args, tmp)[(layout, False)]
-            row: dict[str, Any] = {"layout": layout}
-            for key in ("step_seconds", "cpu_seconds"):  # the median over steps of the slowest rank's
-                row[key] = statistics.median(max(times) for times in zip(*(r[key] for r in ranks), strict=True))
-            rows.append(row)
-    ours = rows[0]
-    for row in rows:
-        row["of_ours_tp2"] = row["step_seconds"] / ours["step_seconds"]
-        row["cpu_of_ours_tp2"] = row["cpu_seconds"] / ours["cpu_seconds"]
+        path = os.path.join(tmp, "llama.json")
+        run_layouts("llama", list(TIMED), args.size, path, args)
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            sys.exit(0)
+        launched = {
+            layout: [json.loads(Path(f"{path}.{layout}.0.{repeat}").read_text()) for repeat in range(args.repeats)]
+            for layout in TIMED
+        }
+    medians = {  # (layout, key) -> per repeat: the median over steps of the slowest rank's time
+        (layout, key): [
+            statistics.median(max(times) for times in zip(*(r[key][MEASURED_STEP + 1 :] for r in ranks), strict=True))
+            for ranks in launched[layout]
+        ]
+        for layout in TIMED
+        for key in ("step_seconds", "cpu_seconds")
+    }
+    rows = []
+    for layout in TIMED:
+        row: dict[str, Any] = {"layout": layout, "repeats": args.repeats}
+        for key, ratio in (("step_seconds", "of_ours_tp2"), ("cpu_seconds", "cpu_of_ours_tp2")):
+            mine, ours = medians[(layout, key)], medians[("tp2", key)]
+            row[key] = statistics.median(mine)
+            row[ratio] = statistics.median(m / o for m, o in zip(mine, ours, strict=True))
+            row[f"{key}_per_repeat"] = mine
+        rows.append(row)
     return {"rows": rows}
 
 
@@ -414,6 +441,7 @@ def main() -> None:
     )
     parser.add_argument("--dropout", type=float, default=None, help="default: 0.1 (bytes), 0 otherwise")
     parser.add_argument("--steps", type=int, default=None, help="timed steps after the measured one")
+    parser.add_argument("--repeats", type=int, default=None, help="time: rounds over the layouts (default 5)")
     parser.add_argument("--fp16", action="store_true", help="planner / time: fp16 with fp32 masters (bytes: always)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--model", choices=("gpt", "llama"), help="with run (internal)")
@@ -421,6 +449,7 @@ def main() -> None:
     parser.add_argument("--checkpointing", action="store_true", help="with run: fit again, checkpointed (internal)")
     parser.add_argument("--json", help="with run (internal)")
     args = parser.parse_args()
+    args.repeats = args.repeats if args.repeats is not None else (5 if args.what == "time" else 1)
     if args.what == "run":
         run_layouts(args.model, args.layout.split(","), args.size, args.json, args)
         return
