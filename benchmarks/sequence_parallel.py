@@ -276,7 +276,9 @@ def _fit_layout(
         strategy: Any = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     else:
         dynamic = {"dynamic_loss_args": {"init_scale": 2.0**8}} if args.fp16 else {}
-        strategy = SMPStrategy(**kwargs, fp16=args.fp16, **dynamic)
+        # timed against ModelParallelStrategy, whose tensor-parallel ranks read one batch: so do ours, the same tokens
+        same_batch = {"prescaled_batch": True} if args.what == "time" else {}
+        strategy = SMPStrategy(**kwargs, fp16=args.fp16, **dynamic, **same_batch)
     steps = MEASURED_STEP + 1 + args.steps
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
