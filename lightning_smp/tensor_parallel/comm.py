@@ -19,8 +19,10 @@ entry (norms, dropouts, residual adds) holds 1/tp of the sequence; the same byte
 - ``reduce_scatter_sequence`` ("g-bar" backward's dual): reduce-scatter forward, all-gather backward.
 - ``split_sequence``: ``scatter_to_region`` along the sequence, with the error a user can act on.
 
-Each takes the tensor-parallel process group explicitly. They are written as autograd functions over plain
-tensors rather than DTensor redistributions because the parameters stay plain tensors (see the package docstring).
+Each takes the tensor-parallel process group explicitly. They are written as autograd functions over plain tensors
+rather than DTensor redistributions because the parameters stay plain tensors (see the package docstring). On CPU
+tensors (gloo) the all-gathers and reduce-scatters go as point-to-point exchanges (`_exchange`), cheaper there than
+gloo's own collectives.
 A `ShapeOnlyGroup` in place of the group makes every collective return a tensor of the shape it would return,
 without communicating: the memory planner traces a split model on the meta device as one rank of the group.
 """
@@ -128,8 +130,8 @@ def _exchange(sends: list[Tensor], receives: list[Tensor], group: Group) -> None
     """Send ``sends[r]`` to and receive ``receives[r]`` from every other rank ``r`` of ``group``, point to point.
 
     The all-gather and reduce-scatter of CPU tensors go this way: gloo's reduce-scatter all-reduces the whole
-    tensor and keeps a slice, and its all-gather copies through a staging buffer; both cost 1.5-3x the exchange of
-    the same bytes (benchmarks/NOTES.md, "Sequence parallelism: step time").
+    tensor and keeps a slice, and on a 2-core VM both it and gloo's all-gather cost 1.5-3x the exchange of the same
+    bytes (benchmarks/NOTES.md, "Step time: where it went, what was changed").
     """
     me = group.rank()
     ops = []
