@@ -298,11 +298,14 @@ def _launch(
     return records(path, layouts, checkpointing=checkpointing)
 
 
-def records(path: str, layouts: list[str], *, checkpointing: bool) -> dict[tuple[str, bool], list[dict[str, Any]]]:
-    """What the ranks of ``run_layouts(..., path, ...)`` wrote: every rank's record per (layout, checkpointed)."""
+def records(
+    path: str, layouts: list[str], *, checkpointing: bool, repeat: int = 0
+) -> dict[tuple[str, bool], list[dict[str, Any]]]:
+    """What the ranks of ``run_layouts(..., path, ...)`` wrote in round ``repeat``: every rank's record per (layout,
+    checkpointed)."""
     variants = (False, True) if checkpointing else (False,)
     return {
-        (layout, ckpt): json.loads(Path(f"{path}.{layout}.{int(ckpt)}.0").read_text())
+        (layout, ckpt): json.loads(Path(f"{path}.{layout}.{int(ckpt)}.{repeat}").read_text())
         for layout in layouts
         for ckpt in variants
     }
@@ -415,10 +418,8 @@ def measure_time(args: argparse.Namespace) -> dict[str, Any]:
         run_layouts("llama", list(TIMED), args.size, path, args)
         if os.environ.get("LOCAL_RANK", "0") != "0":
             sys.exit(0)
-        launched = {
-            layout: [json.loads(Path(f"{path}.{layout}.0.{repeat}").read_text()) for repeat in range(args.repeats)]
-            for layout in TIMED
-        }
+        rounds = [records(path, list(TIMED), checkpointing=False, repeat=r) for r in range(args.repeats)]
+    launched = {layout: [found[(layout, False)] for found in rounds] for layout in TIMED}
     medians = {  # (layout, key) -> per repeat: the median over steps of the slowest rank's time
         (layout, key): [
             statistics.median(max(times) for times in zip(*(r[key][MEASURED_STEP + 1 :] for r in ranks), strict=True))
