@@ -287,7 +287,7 @@ class SMPConfig:
     sequence in their norms, dropouts and residual adds (Megatron's sequence parallelism): an all-gather and a
     reduce-scatter replace each all-reduce, the same bytes, and those activations shrink by tp. Sequence lengths
     must then be multiples of tensor_parallel_degree. Off by default, also with tp > 1: measured, the layers keep
-    0.66 (tp2) to 0.42 (tp4) of their activation bytes for 7.6% more CPU per tp2 step, and turning it on would stop
+    0.66 (tp2) to 0.42 (tp4) of their activation bytes for 2.9% more CPU per tp2 step, but turning it on would stop
     jobs whose sequence lengths do not divide by tp (docs/memory.md, "Sequence parallelism")."""
 
     def __post_init__(self) -> None:
