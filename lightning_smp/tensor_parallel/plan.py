@@ -268,6 +268,9 @@ def _find_units(model: nn.Module, patterns: dict[str, str]) -> _Found:
             model_style, group = model_styles[name]
             if model_style == "replicate":
                 return
+            adapter = hf_plan.adapter_reason(module, name, model_style)
+            if adapter is not None:
+                raise ValueError(adapter + ".")
             target = _lookup_target(module, model_style) if model_style in hf_plan.HONOURED_STYLES else None
             if target is None:
                 refused.append((f"{name} ({type(module).__name__})", group, _unhonoured(module, model_style)))
