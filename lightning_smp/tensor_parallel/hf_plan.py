@@ -5,13 +5,12 @@ the model (``*`` for the layer number), merged by transformers from the class's 
 ``base_model_tp_plan`` and its children's plans. GPT-2, BERT and RoBERTa ship none; smp split them out of the box,
 so a built-in plan stands in. `plan.py` matches the patterns and builds the units; this module only says which plan
 a model has, which of its styles lightning_smp honours, which entries must split together (`link_key`), and which
-layers peft's adapters wrap (`adapter_reason`: LoRA's low-rank product would need a split of its own). Nothing
+layers peft's adapters wrap (`is_adapter_layer`: LoRA's low-rank product would need a split of its own). Nothing
 here imports transformers or peft: a module that is a transformers model or a peft layer has imported it already.
 """
 
 from __future__ import annotations
 
-import re
 import sys
 from dataclasses import dataclass
 
@@ -23,8 +22,8 @@ __all__ = [
     "HONOURED_STYLES",
     "SELF_CONTAINED_STYLES",
     "ModelPlan",
-    "adapter_reason",
     "heads_reason",
+    "is_adapter_layer",
     "is_transformers_model",
     "layers_by_style",
     "link_key",
@@ -114,20 +113,10 @@ def link_key(name: str, style: str, link_up: int) -> str:
     return ".".join(name.split(".")[:-link_up])
 
 
-def adapter_reason(module: nn.Module, name: str, style: str) -> str | None:
-    """Why the plan's ``style`` cannot split ``module``, a layer wrapped by peft's adapters (LoRA), or None when
-    it is not one."""
+def is_adapter_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer peft's adapters (LoRA) wrap: ``peft.tuners.tuners_utils.BaseTunerLayer``."""
     tuners = sys.modules.get("peft.tuners.tuners_utils")
-    if tuners is None or not isinstance(module, tuners.BaseTunerLayer):
-        return None
-    parent = re.sub(r"(?<=\.)\d+(?=\.)", "*", name.rpartition(".")[0])  # every layer's, not only this one's
-    return (
-        f"LoRA under tensor parallelism is not supported: {name} is a {type(module).__module__}."
-        f"{type(module).__qualname__}, peft's adapter around a layer the model's tensor-parallel plan splits "
-        f"({style!r}), and the adapter's low-rank product would need a split of its own. Train the adapters with "
-        "pipeline_parallel_degree, sharded_data_parallel_degree or data parallelism (tensor_parallel_degree=1), or "
-        f"keep the wrapped layers whole: tensor_parallel_plan={{{parent!r}: 'replicate'}}"
-    )
+    return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
 
 
 def heads_reason(parent: nn.Module, features: int, tp_size: int, what: str) -> str | None:
