@@ -55,6 +55,7 @@ from lightning_smp._compat import (
 )
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
+from lightning_smp.materialization import has_meta_tensors
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.placement import placements_kept
@@ -614,8 +615,8 @@ class SMPStrategy(DDPStrategy):
     def teardown(self) -> None:
         smp_facade.end_run()
         module = self.lightning_module if self.lightning_module is not None else torch.nn.Module()
-        with placements_kept(module):  # Lightning moves the model to the CPU: DTensor parameters lose attributes
-            super().teardown()
+        with placements_kept(module), _meta_left_in_place(module):
+            super().teardown()  # moves the model to the CPU: DTensor parameters lose attributes, meta ones fail
 
     def forget_process_groups(self) -> None:
         """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,
@@ -673,3 +674,18 @@ def register_strategies(registry: Any = StrategyRegistry) -> None:
     for name, description, init_params in _PRESETS:
         if name not in registry:
             registry.register(name, SMPStrategy, description=description, **init_params)
+
+
+@contextmanager
+def _meta_left_in_place(module: torch.nn.Module) -> Generator[None, None, None]:
+    """Lightning's teardown moves the model to the CPU. A model whose setup failed before it was materialised
+    (delayed initialisation) still has meta tensors, which cannot move: it is left where it is, so that the
+    setup's own error is the one the user sees, not "Cannot copy out of meta tensor"."""
+    if not has_meta_tensors(module):
+        yield
+        return
+    module.cpu = lambda: module  # the instance attribute hides the method for this teardown
+    try:
+        yield
+    finally:
+        del module.cpu
