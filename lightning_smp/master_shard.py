@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from lightning_smp._compat import foreach_copy_, foreach_zero_
 from lightning_smp.grad_vote import Counted
 from lightning_smp.placement import placement_of
+from lightning_smp.reduction import buckets
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -270,12 +271,10 @@ class ShardedMasters:
         group = self._group()
         self._replicas = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for param in self.params:
-            by_dtype.setdefault(param.dtype, []).append(param)
         self._buckets: list[_Bucket] = []
         self._pieces: list[_Piece] = []
-        for dtype, same in by_dtype.items():
+        for same in buckets(self.params, max_bytes=math.inf):  # one per dtype
+            dtype = same[0].dtype
             total = sum(p.numel() for p in same)
             share = max(1, math.ceil(total / self._replicas))
             master = torch.zeros(share, dtype=torch.float32, device=device)

@@ -27,6 +27,7 @@ from lightning_smp._compat import BatchNormBase, after_closure, replace_schedule
 from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.master_shard import ShardedMasters, WholeMasters
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
+from lightning_smp.reduction import ReductionPlan
 from lightning_smp.sharded_data_parallel import FSDPMasters
 
 if TYPE_CHECKING:
@@ -47,12 +48,6 @@ class SMPPrecision(Precision):
         static_loss_scale: fp16 with ``dynamic_loss_scale=False``: the fixed scale.
         dynamic_loss_args: fp16 dynamic scaling: smp's ``dynamic_loss_args`` (``init_scale``, ``scale_factor``,
             ``scale_window``, ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``).
-        shard_optimizer_state: shard the fp32 masters and the optimizer state over the data-parallel replicas
-            (ZeRO-1; in fp32 too, where the optimizer is then wrapped as well). The strategy must not all-reduce
-            the gradients over the replicas: the optimizer reduce-scatters them.
-        sharded_parameters: the parameters are FSDP2's sharded fp32 parameters (sharded data parallelism): the
-            module stays fp32 (FSDP2 casts for compute) and every optimizer, fp32 ones too, is wrapped, over
-            `FSDPMasters`.
         clip_norm: every optimizer clips the gradients to this global norm at every step (smp's
             ``sdp_gradient_clipping``); every optimizer, fp32 ones too, is then wrapped.
     """
@@ -64,8 +59,6 @@ class SMPPrecision(Precision):
         dynamic_loss_scale: bool = True,
         static_loss_scale: float = 1.0,
         dynamic_loss_args: dict[str, Any] | None = None,
-        shard_optimizer_state: bool = False,
-        sharded_parameters: bool = False,
         clip_norm: float | None = None,
     ) -> None:
         if dtype not in _PRECISION_NAMES:
@@ -77,10 +70,12 @@ class SMPPrecision(Precision):
         self._dynamic_loss_scale = dynamic_loss_scale
         self._static_loss_scale = static_loss_scale
         self._dynamic_loss_args = dict(dynamic_loss_args or {})
-        self._shard_optimizer_state = shard_optimizer_state
-        self._sharded_parameters = sharded_parameters
         self._clip_norm = clip_norm
         self._topology: Callable[[], Topology | None] = _no_topology
+        self.reduction = ReductionPlan()
+        """How the run reduces gradients over the replicas (`plan_reduction`), set by SMPStrategy with the
+        topology: it says where optimizers keep their masters (whole, ZeRO-1's share, FSDP2's shards) and whether
+        the module stays fp32 (FSDP2's sharded parameters are the masters and cast for compute)."""
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
 
@@ -103,7 +98,7 @@ class SMPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.dtype is None or self._sharded_parameters:
+        if self.dtype is None or self.reduction.sharded_parameters:
             return module
         module.to(self.dtype)
         for layer in module.modules():
@@ -228,21 +223,16 @@ class SMPPrecision(Precision):
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
 
-    def _shards(self) -> bool:
-        """Whether optimizers shard their masters and state: asked for, and more than one replica to shard over."""
-        topology = self.topology
-        return self._shard_optimizer_state and topology is not None and topology.size("dp") > 1
-
     def _masters(self) -> type[FSDPMasters | ShardedMasters | WholeMasters]:
-        """Where optimizers keep their masters: FSDP2's shards, this replica's share (ZeRO-1), or all of them."""
-        if self._sharded_parameters:
+        """Where optimizers keep their masters, as the run's reduction plan has it."""
+        if self.reduction.sharded_parameters:
             return FSDPMasters
-        return ShardedMasters if self._shards() else WholeMasters
+        return ShardedMasters if self.reduction.shards_masters else WholeMasters
 
     def _wraps(self) -> bool:
-        """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, sharded masters, or a step that
-        clips by itself."""
-        return self.dtype is not None or self._shards() or self._sharded_parameters or self._clip_norm is not None
+        """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, masters other than the parameters
+        themselves (ZeRO-1's share, FSDP2's shards), or a step that clips by itself."""
+        return self.dtype is not None or self._masters() is not WholeMasters or self._clip_norm is not None
 
     def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
         if isinstance(optimizer, MasterWeightOptimizer):

@@ -59,6 +59,7 @@ from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
+from lightning_smp.reduction import ReductionPlan, plan_reduction
 from lightning_smp.tensor_parallel.rng import sync_default_generator
 from lightning_smp.topology import Topology
 
@@ -158,6 +159,7 @@ class SMPStrategy(DDPStrategy):
         for line in [*self._config.deprecated_settings(), *self._config.inactive_settings()]:
             rank_zero_warn(line)
         self._topology: Topology | None = None
+        self._reduction = ReductionPlan()  # who reduces gradients over the replicas, planned with the topology
         self._sigterm = fault_tolerance.SchedulerSignal()
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
@@ -208,9 +210,7 @@ class SMPStrategy(DDPStrategy):
                 dynamic_loss_scale=self._config.dynamic_loss_scale,
                 static_loss_scale=self._config.static_loss_scale,
                 dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
-                shard_optimizer_state=self._config.shard_optimizer_state,
-                sharded_parameters=self._sharded,
-                clip_norm=self._config.sdp_gradient_clipping if self._sharded else None,
+                clip_norm=self._config.sdp_gradient_clipping if self._config.sharded_data_parallel_degree > 1 else None,
             )
         return self._precision_plugin
 
@@ -246,8 +246,10 @@ class SMPStrategy(DDPStrategy):
             sdp=config.sharded_data_parallel_degree,
         )
         plugin = self.precision_plugin
+        self._reduction = plan_reduction(config, self._topology)
         if isinstance(plugin, SMPPrecision):
             plugin.topology = self._topology
+            plugin.reduction = self._reduction
         smp_facade.start_run(
             smp_facade.RunRecord.from_topology(
                 self._topology,
@@ -307,16 +309,11 @@ class SMPStrategy(DDPStrategy):
         )
         return model
 
-    @property
-    def _sharded(self) -> bool:
-        """Whether parameters are sharded over data-parallel ranks (smp's sharded data parallelism, FSDP2)."""
-        return self._config.sharded_data_parallel_degree > 1
-
     @override
     def model_to_device(self) -> None:
         # Under sharding FSDP2 has put the shards and buffers on the device; `Module.to` would swap each DTensor
         # parameter for a new object, dropping its placement (the norm bookkeeping) and FSDP2's reference.
-        if not self._sharded:
+        if not self._reduction.sharded_parameters:
             super().model_to_device()
 
     @property
@@ -329,15 +326,13 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.topology.size("dp") == 1 or self._sharded:
-            return  # one replica: nothing to all-reduce; sharded data parallelism: FSDP2 reduces the grads
-        if self._pipeline is not None or self._config.shard_optimizer_state:
-            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; with
-            # sharded optimizer state the optimizer reduce-scatters instead. DDP's other job, making the replicas
-            # start equal, is done here.
+        # The reduction plan says who reduces (`lightning_smp.reduction`): DDP wraps only when it is DDP's job.
+        # Where the pipeline engine all-reduces or the optimizer reduce-scatters, DDP's other job, making the
+        # replicas start equal, is done here; FSDP2 syncs as it shards, and one replica has nothing to sync.
+        if self._reduction.wraps_ddp:
+            super().configure_ddp()
+        elif self._reduction.syncs_replicas_at_setup:
             _sync_over_replicas(self.model, self.topology)
-            return
-        super().configure_ddp()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -453,7 +448,7 @@ class SMPStrategy(DDPStrategy):
         return (combined.batch, *args[1:]), combined.own
 
     def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self._sharded:
+        if not self._reduction.sharded_parameters:
             return getattr(super(), name)(*args, **kwargs)
         # FSDP2 gathers the root unit's parameters in the LightningModule's forward hooks: run the step as its
         # forward (Lightning's forward redirection; the model is the LightningModule itself, not a wrapper).

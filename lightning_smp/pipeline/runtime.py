@@ -39,6 +39,7 @@ from lightning_smp.pipeline.results import Results, StepRecord
 from lightning_smp.pipeline.split_backward import BackwardSplitter, WeightGradients
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.placement import mark_norm_duplicate
+from lightning_smp.reduction import plan_reduction
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -80,7 +81,7 @@ def build_engine(
     log.debug("PipelineEngine: stage %d of %d holds trunk children %s", stage, topology.pp, plan.owned(stage))
     router = TrunkRouter(module.get_submodule(plan.trunk), plan, stage)
     hold_outside(module, outside, router)
-    reduction = StageGradientReduction(topology=topology, over_replicas=not config.shard_optimizer_state)
+    reduction = StageGradientReduction(topology=topology, plan=plan_reduction(config, topology))
     engine = PipelineEngine(module, layout=layout, router=router, topology=topology, config=config, reduce=reduction)
     if topology.pp > 1 and topology.is_last_stage:
         for param in engine.tied_parameters:
