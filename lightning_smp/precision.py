@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 
 __all__ = ["SMPPrecision"]
 
+LossScaling = Callable[..., Tensor]
+"""``(loss, divide_by=1) -> the tensor backward starts from`` (`SMPPrecision.loss_scaling`)."""
+
 # Lightning's names for the parameter dtype (what ModelSummary sizes parameters by); the masters are extra.
 _PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
 
@@ -152,6 +155,7 @@ class SMPPrecision(Precision):
         if not self._wraps():
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
+        self._wrapped = [opt for opt in optimizers if isinstance(opt, MasterWeightOptimizer)]  # this run's
         for config in lr_schedulers:
             if config.interval == "step":
                 owner = next(opt for opt in optimizers if opt == config.scheduler.optimizer)
@@ -169,13 +173,33 @@ class SMPPrecision(Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        wrapped = self._optimizer_for_backward(optimizer)
-        if wrapped is None:
+        if self._optimizer_for_backward(optimizer) is None:
             return super().backward(tensor, model, optimizer, *args, **kwargs)
-        scale = wrapped.scale_tensor
-        scaled = tensor.float() * scale if scale is not None else tensor.float()
-        model.backward(scaled, *args, **kwargs)
-        wrapped.note_backward()
+        model.backward(self.loss_scaling(optimizer)(tensor), *args, **kwargs)
+
+    def loss_scaling(self, optimizer: Optimizable | None, *, accumulation: int = 1) -> LossScaling:
+        """The one rule of what a backward starts from: the loss in fp32, times the fp16 loss scale of
+        ``optimizer`` (a `MasterWeightOptimizer`, a Lightning wrapper of one, or None: the only one), divided by
+        ``accumulation`` × the call's ``divide_by``. Lightning's backward (above) takes it with both 1 (Lightning has
+        divided the loss by its accumulation count already); a pipelined step, whose backward runs inside
+        ``training_step`` before Lightning sees the loss, is handed it with ``accumulation`` and divides by its
+        microbatches. Without masters only the divisions apply."""
+        wrapped = self._optimizer_for_backward(optimizer)
+
+        def scaled(loss: Tensor, divide_by: int = 1) -> Tensor:
+            divisor = divide_by * accumulation
+            scale = wrapped.scale_tensor if wrapped is not None else None  # read at each call: it changes per step
+            return loss.float() * (scale / divisor if scale is not None else 1.0 / divisor)
+
+        return scaled
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        # The one place a backward is noted, whichever ran it (Lightning's, or the pipeline engine's gradients
+        # joining `.grad`): the masters' next unscale reads the grads again.
+        for optimizer in self._wrapped:
+            optimizer.note_backward()
+        return super().post_backward(tensor, module)
 
     @override
     def optimizer_step(  # type: ignore[override]

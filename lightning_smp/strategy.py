@@ -55,7 +55,6 @@ from lightning_smp._compat import (
 )
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
-from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
@@ -371,8 +370,10 @@ class SMPStrategy(DDPStrategy):
                 args,
                 kwargs,
                 step=self._step_function("training_step"),
-                loss_scale=self._loss_scale_tensor(),
-                grad_divisor=self.lightning_module.trainer.accumulate_grad_batches,
+                scale_loss=self.precision_plugin.loss_scaling(
+                    self.optimizers[0] if self.optimizers else None,
+                    accumulation=self.lightning_module.trainer.accumulate_grad_batches,
+                ),
             )
         self._log_loss_scale()
         return own(output)
@@ -407,9 +408,6 @@ class SMPStrategy(DDPStrategy):
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.finish_backward(sync=not self._grad_sync_blocked)
-        for optimizer_ in self.optimizers:
-            if isinstance(optimizer_, MasterWeightOptimizer):
-                optimizer_.note_backward()
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
@@ -474,11 +472,6 @@ class SMPStrategy(DDPStrategy):
             "test_step": plugin.test_step_context,
             "predict_step": plugin.predict_step_context,
         }[name]
-
-    def _loss_scale_tensor(self) -> Tensor | None:
-        """The fp16 loss scale the pipelined backward multiplies the loss by, as the precision plugin would."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        return optimizer.scale_tensor if isinstance(optimizer, MasterWeightOptimizer) else None
 
     def _log_loss_scale(self) -> None:
         """Show the loss scale and the skipped-step count (device tensors: Lightning reads them when it logs)."""
