@@ -26,8 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_smp._compat import foreach_copy_, foreach_zero_
-from lightning_smp.grad_vote import Counted
-from lightning_smp.placement import placement_of
+from lightning_smp.grad_vote import Counted, norm_copies
 from lightning_smp.reduction import buckets
 
 if TYPE_CHECKING:
@@ -138,7 +137,7 @@ class WholeMasters:
             master = nn.Parameter(view)
             master.grad = grad
             self.masters.append(master)
-        self._norm_counts = [placement_of(p).counts_in_norm for p in self.half_params + self.own_params]
+        self._norm_counts = [norm_copies(p) > 0 for p in self.half_params + self.own_params]
         self._grads_detached = False  # some masters had their grad set to None for one step (unused params)
 
     @property
@@ -291,7 +290,7 @@ class ShardedMasters:
                 with torch.no_grad():
                     piece.copy_(param.detach().reshape(-1)[start:end])
                 self._pieces.append(_Piece(param, bucket, start, end, at, piece))
-        self._counts = [placement_of(piece.param).counts_in_norm for piece in self._pieces]
+        self._counts = [norm_copies(piece.param) > 0 for piece in self._pieces]
 
     def optimized(self) -> dict[int, Tensor]:
         """id(model parameter) → its piece in this rank's share; parameters wholly in other shares are absent."""
