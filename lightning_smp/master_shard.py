@@ -259,13 +259,16 @@ class ShardedMasters:
     Args:
         params: every parameter the optimizer updates, in its param groups' order.
         run: the running job, whose data-parallel replicas hold the same parameters.
+        scatter_by_all_reduce: take this replica's share from a whole all-reduce (gloo, whose reduce-scatter is
+            slower than its all-reduce: `ReductionPlan.scatter_by_all_reduce`).
     """
 
     replicated = False
 
-    def __init__(self, params: Sequence[Tensor], run: Run) -> None:
+    def __init__(self, params: Sequence[Tensor], run: Run, *, scatter_by_all_reduce: bool = False) -> None:
         self.params = list(params)
         self._run = run
+        self._scatter_by_all_reduce = scatter_by_all_reduce
         device = single_device(params)
         group = self._group()
         self._replicas = dist.get_world_size(group)
@@ -300,8 +303,9 @@ class ShardedMasters:
         return [piece.master for piece in self._pieces]
 
     def take_grads(self) -> None:
-        """Average the model's grads over the replicas, each keeping its share (reduce-scatter, in the grads'
-        dtype as DDP's all-reduce is; divided first, as DDP averages), into the fp32 grad share. A parameter with no
+        """Average the model's grads over the replicas, each keeping its share (reduce-scatter, or an all-reduce
+        where that is faster; in the grads' dtype as DDP's all-reduce is; divided first, as DDP averages), into the
+        fp32 grad share. A parameter with no
         grad contributes zeros (its state still advances, unlike an unsharded step)."""
         for bucket in self._buckets:
             flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.grad.device)
@@ -310,6 +314,10 @@ class ShardedMasters:
             if present:
                 foreach_copy_([view for view, _ in present], [grad for _, grad in present])
             flat.div_(self._replicas)
+            if self._scatter_by_all_reduce:
+                dist.all_reduce(flat, group=self._group())
+                bucket.grad.copy_(flat[bucket.lo : bucket.lo + bucket.grad.numel()])
+                continue
             share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
             dist.reduce_scatter_tensor(share, flat, group=self._group())
             if share is not bucket.grad:

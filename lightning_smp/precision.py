@@ -9,6 +9,7 @@ BatchNorm layers stay fp32 (as Apex's O2 did): their running statistics lose too
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,7 @@ from typing_extensions import override
 
 from lightning_smp._compat import BatchNormBase, after_closure, replace_scheduler_methods, scheduler_state_without
 from lightning_smp.grad_vote import clip_grad_norm_counted
-from lightning_smp.master_shard import ShardedMasters, WholeMasters
+from lightning_smp.master_shard import Masters, Run, ShardedMasters, WholeMasters
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
 from lightning_smp.reduction import ReductionPlan
 from lightning_smp.sharded_data_parallel import FSDPMasters
@@ -247,16 +248,19 @@ class SMPPrecision(Precision):
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
 
-    def _masters(self) -> type[FSDPMasters | ShardedMasters | WholeMasters]:
+    def _masters(self) -> Callable[[list[Tensor], Run], Masters]:
         """Where optimizers keep their masters, as the run's reduction plan has it."""
         if self.reduction.sharded_parameters:
             return FSDPMasters
-        return ShardedMasters if self.reduction.shards_masters else WholeMasters
+        if self.reduction.shards_masters:
+            return functools.partial(ShardedMasters, scatter_by_all_reduce=self.reduction.scatter_by_all_reduce)
+        return WholeMasters
 
     def _wraps(self) -> bool:
         """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, masters other than the parameters
         themselves (ZeRO-1's share, FSDP2's shards), or a step that clips by itself."""
-        return self.dtype is not None or self._masters() is not WholeMasters or self._clip_norm is not None
+        whole = not (self.reduction.shards_masters or self.reduction.sharded_parameters)
+        return self.dtype is not None or not whole or self._clip_norm is not None
 
     def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
         if isinstance(optimizer, MasterWeightOptimizer):

@@ -47,6 +47,11 @@ class ReductionPlan:
     replicas: int = 1
     axis: str = "dp"
     bucket_bytes: int = BUCKET_BYTES
+    scatter_by_all_reduce: bool = False
+    """ZeRO-1 on gloo (CPU): each replica's share taken from a whole all-reduce rather than a reduce-scatter. Gloo's
+    ``reduce_scatter_tensor`` is no ring reduce-scatter: on two CPU ranks it took 21 ms for 8.4 MB where
+    ``all_reduce`` took 11 ms (docs/benchmarks.md, "ZeRO-1 step time"); the sums are the same for two replicas
+    and differ only in rounding order beyond. NCCL's reduce-scatter moves half the bytes, and is kept."""
 
     @property
     def wraps_ddp(self) -> bool:
@@ -88,7 +93,8 @@ def plan_reduction(config: SMPConfig, topology: Topology) -> ReductionPlan:
         mechanism = "pipeline"
     else:
         mechanism = "ddp"
-    return ReductionPlan(mechanism=mechanism, replicas=replicas)
+    scatter_by_all_reduce = mechanism == "reduce_scatter" and topology.mesh.device_type == "cpu"
+    return ReductionPlan(mechanism=mechanism, replicas=replicas, scatter_by_all_reduce=scatter_by_all_reduce)
 
 
 def buckets(tensors: Sequence[Tensor], *, max_bytes: float = BUCKET_BYTES) -> list[list[Tensor]]:

@@ -9,8 +9,9 @@ from lightning_smp.config import SMPConfig
 from lightning_smp.reduction import buckets, plan_reduction
 
 
-def _topology(*, dp: int, pp: int = 1) -> SimpleNamespace:
-    return SimpleNamespace(pp=pp, size=lambda axis: {"dp": dp, "pp": pp}[axis])
+def _topology(*, dp: int, pp: int = 1, device_type: str = "cpu") -> SimpleNamespace:
+    mesh = SimpleNamespace(device_type=device_type)
+    return SimpleNamespace(pp=pp, mesh=mesh, size=lambda axis: {"dp": dp, "pp": pp}[axis])
 
 
 @pytest.mark.parametrize(
@@ -34,6 +35,9 @@ def test_one_mechanism_per_run(settings, dp, pp, mechanism):
     owners = [plan.wraps_ddp, plan.engine_reduces, plan.shards_masters, plan.sharded_parameters]
     assert sum(owners) == (mechanism != "none")
     assert plan.syncs_replicas_at_setup == (mechanism in ("pipeline", "reduce_scatter"))
+    # ZeRO-1 takes its share from an all-reduce on gloo (CPU), a reduce-scatter on NCCL
+    assert plan.scatter_by_all_reduce == (mechanism == "reduce_scatter")
+    assert not plan_reduction(SMPConfig(**settings), _topology(dp=dp, pp=pp, device_type="cuda")).scatter_by_all_reduce
 
 
 def test_buckets_keep_order_per_dtype_and_cap_bytes():
