@@ -261,11 +261,6 @@ def _fit_layout(
 ) -> None:
     torch.set_num_threads(1)
     kwargs = dict(LAYOUTS[layout])
-    devices = (
-        2
-        if layout.startswith("torch-")
-        else kwargs.get("pipeline_parallel_degree", 1) * kwargs.get("tensor_parallel_degree", 1)
-    )
     if layout.startswith("torch-"):
         strategy: Any = L.pytorch.strategies.ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)
     else:
@@ -273,7 +268,7 @@ def _fit_layout(
         strategy = SMPStrategy(**kwargs, fp16=args.fp16, **dynamic)
     steps = MEASURED_STEP + 1 + args.steps
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+        accelerator="cpu", devices=devices(layout), strategy=strategy, max_steps=steps, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[_Probe(path, kwargs.get("microbatches", 1))],
     )  # fmt: skip
@@ -292,6 +287,11 @@ def _launch(
     done = subprocess.run(command, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{model} {','.join(layouts)} failed:\n{done.stderr[-4000:]}")
+    return records(path, layouts, checkpointing=checkpointing)
+
+
+def records(path: str, layouts: list[str], *, checkpointing: bool) -> dict[tuple[str, bool], list[dict[str, Any]]]:
+    """What the ranks of ``run_layouts(..., path, ...)`` wrote: every rank's record per (layout, checkpointed)."""
     variants = (False, True) if checkpointing else (False,)
     return {
         (layout, ckpt): json.loads(Path(f"{path}.{layout}.{int(ckpt)}").read_text())
@@ -300,13 +300,19 @@ def _launch(
     }
 
 
+def devices(layout: str) -> int:
+    """The ranks a layout trains on (torch's plan: two)."""
+    if layout.startswith("torch-"):
+        return 2
+    kwargs = LAYOUTS[layout]
+    return kwargs.get("pipeline_parallel_degree", 1) * kwargs.get("tensor_parallel_degree", 1)
+
+
 def _by_devices(layouts: list[str]) -> list[list[str]]:
     """``layouts`` grouped by their device count (one launch each), in order."""
     groups: dict[int, list[str]] = {}
     for layout in layouts:
-        kwargs = LAYOUTS[layout]
-        devices = kwargs.get("pipeline_parallel_degree", 1) * kwargs.get("tensor_parallel_degree", 1)
-        groups.setdefault(devices, []).append(layout)
+        groups.setdefault(devices(layout), []).append(layout)
     return list(groups.values())
 
 

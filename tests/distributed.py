@@ -9,6 +9,7 @@ a rank detects an external launch and does not spawn processes itself. The paren
 error, a rank that dies silently, or the timeout ends every rank and fails the test.
 """
 
+import contextlib
 import multiprocessing
 import os
 import pickle
@@ -17,6 +18,7 @@ import socket
 import time
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -32,6 +34,8 @@ _PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "torchmetrics", "
 _DRAIN_S = 2.0
 # How long ranks that all returned may take to exit before they are terminated.
 _EXIT_GRACE_S = 10.0
+# How long a rank whose target returned waits for the others at the closing barrier.
+_BARRIER_S = 5.0
 
 
 def run_distributed(
@@ -119,8 +123,21 @@ def _child(target: Callable[..., Any], rank: int, args: tuple, env: dict[str, st
     except BaseException:
         # Report before cleaning up: destroying the group may block while other ranks wait in a collective.
         results_queue.put((rank, False, traceback.format_exc()))
+    else:
+        _wait_for_the_other_ranks()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _wait_for_the_other_ranks() -> None:
+    """Rank 0 serves the job's store: had it exited as soon as its own target returned, a rank still creating a
+    group it is not in (a tp group of ranks 2 and 3) would lose the store mid-rendezvous ("Connection reset by
+    peer"). Waiting at a barrier keeps the store up until every rank is done; bounded, because a rank whose peer
+    failed on purpose (the fault-tolerance tests) has no one to meet."""
+    if not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):  # the results are already sent; a peer that is gone ends the wait early
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=_BARRIER_S))
 
 
 def _collect(processes: list, results_queue: Any, timeout: float) -> list:

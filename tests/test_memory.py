@@ -2,6 +2,7 @@
 activations traced on the meta device, the fit verdict and the layout search (pure, on meta-device models), and its
 agreement with the bytes `benchmarks/memory_scale.py` and `benchmarks/sequence_parallel.py` measure on live ranks."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from benchmarks import memory_scale
+from benchmarks import memory_scale, sequence_parallel
 from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
 from lightning_smp.activation_memory import SavedBytes
 from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
@@ -479,24 +480,37 @@ def test_sharded_optimizer_state_and_sharded_data_parallel_at_dp2_as_planned(tmp
     assert summary["dp2-sharded"]["step_time_of_unsharded"] > 0 and summary["sdp2"]["step_time_of_unsharded"] > 0
 
 
-def _sequence_parallel_benchmark(tmp_path: Path, *args: str) -> list[dict]:
+def _fit_layouts_in_rank(rank: int, model: str, layouts: list[str], path: str, args: argparse.Namespace) -> None:
+    sequence_parallel.run_layouts(model, layouts, args.size, path, args)
+
+
+def _sequence_parallel_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *args: str) -> list[dict]:
+    """`benchmarks/sequence_parallel.py ARGS`'s rows, its ranks forked from the test's preloaded fork server instead
+    of fresh interpreters (~12 s of imports each; tests/test_benchmarks.py runs the script itself)."""
+
+    def launch(model, layouts, args, tmp, *, checkpointing=False):
+        path = str(tmp_path / f"{model}.json")
+        in_ranks = argparse.Namespace(**{**vars(args), "checkpointing": checkpointing})
+        world = sequence_parallel.devices(layouts[0])
+        run_distributed(_fit_layouts_in_rank, world, model, layouts, path, in_ranks, timeout=300)
+        return sequence_parallel.records(path, layouts, checkpointing=checkpointing)
+
     out = tmp_path / "sequence_parallel.json"
-    command = [sys.executable, str(_REPO / "benchmarks" / "sequence_parallel.py"), *args, "--out", str(out)]
-    try:
-        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=1150)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"benchmarks/sequence_parallel.py {' '.join(args)} ran past 1150 s", pytrace=False)
-    assert done.returncode == 0, f"sequence_parallel.py failed:\n{done.stderr[-3000:]}"
+    monkeypatch.setattr(sequence_parallel, "_launch", launch)
+    monkeypatch.setattr(sys, "argv", ["sequence_parallel.py", *args, "--out", str(out)])
+    sequence_parallel.main()
     return json.loads(out.read_text())["rows"]
 
 
-@pytest.mark.timeout(1200)  # three launches per model (one, two and four ranks), each fitting twice
-def test_planned_activations_are_within_10_percent_of_what_live_ranks_keep(tmp_path):
+@pytest.mark.timeout(900)  # three launches per model (one, two and four ranks), each fitting twice
+def test_planned_activations_are_within_10_percent_of_what_live_ranks_keep(tmp_path, monkeypatch):
     """The GPT and a Hugging Face Llama on one device, tp2 with sequence parallelism and pp2 x tp2 with it, without
     and with activation checkpointing: every rank's bytes kept for backward per microbatch, counted on the live
     tensors, against the planner's trace of the model built on the meta device."""
     layouts = ("1", "tp2+sp", "pp2xtp2+sp")
-    rows = _sequence_parallel_benchmark(tmp_path, "planner", "--size", "smoke", "--layouts", ",".join(layouts))
+    rows = _sequence_parallel_benchmark(
+        tmp_path, monkeypatch, "planner", "--size", "smoke", "--layouts", ",".join(layouts)
+    )
     covered = {(row["model"], row["layout"], row["checkpointing"]) for row in rows}
     assert covered == {(m, layout, c) for m in ("gpt", "llama") for layout in layouts for c in (False, True)}
     assert len(rows) == 2 * 2 * (1 + 2 + 4)
@@ -504,11 +518,12 @@ def test_planned_activations_are_within_10_percent_of_what_live_ranks_keep(tmp_p
         assert abs(row["error"]) <= 0.10, row
 
 
-@pytest.mark.timeout(1200)  # two launches (two and four ranks), each fitting twice
-def test_sequence_parallelism_keeps_less_of_the_layers_activations_than_tensor_parallelism_alone(tmp_path):
+@pytest.mark.timeout(600)  # two launches (two and four ranks), each fitting twice
+def test_sequence_parallelism_keeps_less_of_the_layers_activations_than_tensor_parallelism_alone(tmp_path, monkeypatch):
     """The benchmark's GPT (residual dropout 0.1, fp16): each layer's bytes kept for backward per rank under tp2+sp
     at most 0.80 of tp2's, under tp4+sp at most 0.65 of tp4's; the planner within 10% of every layout."""
-    rows = {row["layout"]: row for row in _sequence_parallel_benchmark(tmp_path, "bytes", "--size", "smoke")}
+    measured = _sequence_parallel_benchmark(tmp_path, monkeypatch, "bytes", "--size", "smoke")
+    rows = {row["layout"]: row for row in measured}
     assert rows["tp2+sp"]["layers_of_tp"] <= 0.80 and rows["tp4+sp"]["layers_of_tp"] <= 0.65
     assert rows["tp2+sp"]["whole_of_tp"] < 1 and rows["tp4+sp"]["whole_of_tp"] < rows["tp2+sp"]["whole_of_tp"]
     assert all(abs(row["planned_error"]) <= 0.10 for row in rows.values()), rows
