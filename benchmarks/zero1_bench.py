@@ -26,6 +26,7 @@ the JSON (with the machine, command and date).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 from typing import Any
@@ -59,27 +60,35 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
 
 def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
     import torch.distributed as dist
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-    from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
     x, y = bench.blocks_data(args)
-    result = {}
-    for name in ("torch_ddp", "torch_zero"):
-        model = DistributedDataParallel(bench.blocks_model(args.width, args.blocks))
-        if name == "torch_zero":
-            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
-        else:
-            optimizer = _adamw(model.parameters())
-
-        def step(model: nn.Module = model, optimizer: Any = optimizer) -> None:
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-
-        result[name] = bench.time_steps(step, args)
+    result = {name: _time_torch(name, args, x, y) for name in ("torch_ddp", "torch_zero")}
+    # The DDP models are freed (their reducers hold the group) while the group is still registered, so that its
+    # last reference is dropped by destroy_process_group, which releases the GIL while gloo's workers stop. Freed
+    # from DDP's reducer instead (the GIL held), a worker that still has to release a finished collective's tensors
+    # waits for the GIL forever and the rank hangs at exit (pytorch #56297).
+    gc.collect()
     dist.destroy_process_group()
     out.put((rank, result))
+
+
+def _time_torch(name: str, args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> float:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(bench.blocks_model(args.width, args.blocks))
+    if name == "torch_zero":
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+    else:
+        optimizer = _adamw(model.parameters())
+
+    def step() -> None:
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+    return bench.time_steps(step, args)
 
 
 def measure(args: argparse.Namespace) -> dict:

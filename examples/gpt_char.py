@@ -50,6 +50,7 @@ __all__ = [
     "VOCAB_SIZE",
     "GPTCharLM",
     "StdlibCharData",
+    "add_layout_flags",
     "main",
     "make_strategy",
     "parse_args",
@@ -125,8 +126,12 @@ class StdlibCharData(L.LightningDataModule):
         cuts = [int(len(text) * (1 - _VAL_FRACTION)) for text in sources]
         train = "\n".join(text[:cut] for text, cut in zip(sources, cuts, strict=True))
         val = "\n".join(text[cut:] for text, cut in zip(sources, cuts, strict=True))
-        self.train_set = CharWindows(encode(train), self.block_size)
-        self.val_set = CharWindows(encode(val), self.block_size)
+        self.train_set = CharWindows(self.encode(train), self.block_size)
+        self.val_set = CharWindows(self.encode(val), self.block_size)
+
+    def encode(self, text: str) -> Tensor:
+        """The text as token ids: its ASCII codes (examples/hf_finetune.py uses a model's tokenizer instead)."""
+        return encode(text)
 
     def train_dataloader(self) -> DataLoader:
         assert self.train_set is not None
@@ -239,17 +244,7 @@ class GPTCharLM(L.LightningModule):
 
 def parse_args(argv: list[str] | None = None, description: str | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description or __doc__.splitlines()[0])
-    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_degree")
-    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree")
-    parser.add_argument("--microbatches", type=int, default=1, help="microbatches per batch (pipelining)")
-    parser.add_argument(
-        "--fp16",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="fp16 params + fp32 master weights + loss scaling; default: on with a GPU, off on CPU",
-    )
-    parser.add_argument("--devices", type=int, default=None, help="processes; default pp * tp (one replica)")
-    parser.add_argument("--accelerator", default="auto", help="auto (GPU when present, else CPU), cpu, gpu")
+    add_layout_flags(parser)
     parser.add_argument("--max-steps", type=int, default=300)
     parser.add_argument("--val-every", type=int, default=100, help="validate every this many steps")
     parser.add_argument(
@@ -267,13 +262,32 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     return parser.parse_args(argv)
 
 
-def make_strategy(args: argparse.Namespace) -> lightning_smp.SMPStrategy:
-    """The flags as `SMPStrategy` arguments, one to one."""
+def add_layout_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags `make_strategy` and the Trainer's ``devices`` read (examples/hf_finetune.py takes them too)."""
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_degree")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel_degree")
+    parser.add_argument("--microbatches", type=int, default=1, help="microbatches per batch (pipelining)")
+    parser.add_argument(
+        "--fp16",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="fp16 params + fp32 master weights + loss scaling; default: on with a GPU, off on CPU",
+    )
+    parser.add_argument("--devices", type=int, default=None, help="processes; default pp * tp (one replica)")
+    parser.add_argument("--accelerator", default="auto", help="auto (GPU when present, else CPU), cpu, gpu")
+
+
+def make_strategy(args: argparse.Namespace, **settings) -> lightning_smp.SMPStrategy:
+    """The flags as `SMPStrategy` arguments, one to one, and any other ``settings``."""
     fp16 = args.fp16
     if fp16 is None:  # CPUs have no fast fp16 matmul: there it runs ~15x slower than fp32
         fp16 = torch.cuda.is_available() and args.accelerator not in ("cpu",)
     return lightning_smp.SMPStrategy(
-        pipeline_parallel_degree=args.pp, tensor_parallel_degree=args.tp, microbatches=args.microbatches, fp16=fp16
+        pipeline_parallel_degree=args.pp,
+        tensor_parallel_degree=args.tp,
+        microbatches=args.microbatches,
+        fp16=fp16,
+        **settings,
     )
 
 

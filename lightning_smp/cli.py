@@ -75,8 +75,9 @@ def export_hf(args: Sequence[str]) -> None:
         description="Write the model in a sharded lightning_smp checkpoint (any layout) as a Hugging Face "
         "directory: safetensors files under the wrapped transformers model's own names, their index, config.json "
         "and generation_config.json, so that from_pretrained(OUT_DIR) loads it; a LightningModule that wraps no "
-        "transformers model gets its state dict as safetensors. One tensor is in memory at a time; no process "
-        "group is needed.",
+        "transformers model gets its state dict as safetensors, and a peft model its adapters as peft's "
+        "save_pretrained writes them (PeftModel.from_pretrained(base, OUT_DIR) loads them). One tensor is in "
+        "memory at a time; no process group is needed.",
     )
     parser.add_argument("checkpoint", help="the checkpoint directory, e.g. checkpoints/last.ckpt")
     parser.add_argument("out_dir", help="the directory to write (new, or empty)")

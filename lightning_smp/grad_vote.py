@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from lightning_smp._compat import foreach_mul_, foreach_norm
 from lightning_smp.placement import placement_of
@@ -24,10 +25,23 @@ from lightning_smp.placement import placement_of
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
-__all__ = ["Counted", "clip_grad_norm_counted", "global_grad_norm", "vote_overflow"]
+__all__ = ["Counted", "clip_grad_norm_counted", "global_grad_norm", "norm_copies", "vote_overflow"]
 
 Counted = tuple[Tensor, int]
 """A gradient this rank counts in the norm, with the number of data-parallel ranks holding the same values."""
+
+
+def norm_copies(param: Tensor) -> int:
+    """The rule of what this rank's copy of ``param`` adds to the norm: 0 where another rank's copy along tp or pp
+    counts it (`Placement.counts_in_norm`); otherwise the number of data-parallel ranks holding the same local
+    values: the mesh dims a DTensor (FSDP2's shard) is replicated on, 1 for a plain tensor (whose replicas
+    `global_grad_norm` leaves out with ``replicated=True``)."""
+    if not placement_of(param).counts_in_norm:
+        return 0
+    if not isinstance(param, DTensor):
+        return 1
+    mesh = param.device_mesh
+    return math.prod(mesh.size(dim) for dim, p in enumerate(param.placements) if isinstance(p, Replicate))
 
 
 def vote_overflow(found_inf: Tensor, topology: Topology | None) -> None:
@@ -74,7 +88,7 @@ def clip_grad_norm_counted(params: list[Tensor], max_norm: float, *, topology: T
     each value once, as `MasterWeightOptimizer.clip_master_grads` does for masters; returns that norm."""
     with_grads = [p for p in params if p.grad is not None]
     device = with_grads[0].grad.device if with_grads else torch.device("cpu")
-    counted = [(p.grad, 1) for p in with_grads if placement_of(p).counts_in_norm]
+    counted = [(p.grad, 1) for p in with_grads if norm_copies(p)]
     norm = global_grad_norm(counted, 2.0, topology=topology, device=device, replicated=True)
     if with_grads:
         foreach_mul_([p.grad for p in with_grads], torch.clamp(max_norm / (norm + 1e-6), max=1.0))

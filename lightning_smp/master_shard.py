@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_smp._compat import foreach_copy_, foreach_zero_
-from lightning_smp.grad_vote import Counted
-from lightning_smp.placement import placement_of
+from lightning_smp.grad_vote import Counted, norm_copies
+from lightning_smp.reduction import buckets
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -137,7 +137,7 @@ class WholeMasters:
             master = nn.Parameter(view)
             master.grad = grad
             self.masters.append(master)
-        self._norm_counts = [placement_of(p).counts_in_norm for p in self.half_params + self.own_params]
+        self._norm_counts = [norm_copies(p) > 0 for p in self.half_params + self.own_params]
         self._grads_detached = False  # some masters had their grad set to None for one step (unused params)
 
     @property
@@ -259,23 +259,24 @@ class ShardedMasters:
     Args:
         params: every parameter the optimizer updates, in its param groups' order.
         run: the running job, whose data-parallel replicas hold the same parameters.
+        scatter_by_all_reduce: take this replica's share from a whole all-reduce (gloo, whose reduce-scatter is
+            slower than its all-reduce: `ReductionPlan.scatter_by_all_reduce`).
     """
 
     replicated = False
 
-    def __init__(self, params: Sequence[Tensor], run: Run) -> None:
+    def __init__(self, params: Sequence[Tensor], run: Run, *, scatter_by_all_reduce: bool = False) -> None:
         self.params = list(params)
         self._run = run
+        self._scatter_by_all_reduce = scatter_by_all_reduce
         device = single_device(params)
         group = self._group()
         self._replicas = dist.get_world_size(group)
         rank = dist.get_rank(group)
-        by_dtype: dict[torch.dtype, list[Tensor]] = {}
-        for param in self.params:
-            by_dtype.setdefault(param.dtype, []).append(param)
         self._buckets: list[_Bucket] = []
         self._pieces: list[_Piece] = []
-        for dtype, same in by_dtype.items():
+        for same in buckets(self.params, max_bytes=math.inf):  # one per dtype
+            dtype = same[0].dtype
             total = sum(p.numel() for p in same)
             share = max(1, math.ceil(total / self._replicas))
             master = torch.zeros(share, dtype=torch.float32, device=device)
@@ -292,7 +293,7 @@ class ShardedMasters:
                 with torch.no_grad():
                     piece.copy_(param.detach().reshape(-1)[start:end])
                 self._pieces.append(_Piece(param, bucket, start, end, at, piece))
-        self._counts = [placement_of(piece.param).counts_in_norm for piece in self._pieces]
+        self._counts = [norm_copies(piece.param) > 0 for piece in self._pieces]
 
     def optimized(self) -> dict[int, Tensor]:
         """id(model parameter) → its piece in this rank's share; parameters wholly in other shares are absent."""
@@ -302,8 +303,9 @@ class ShardedMasters:
         return [piece.master for piece in self._pieces]
 
     def take_grads(self) -> None:
-        """Average the model's grads over the replicas, each keeping its share (reduce-scatter, in the grads'
-        dtype as DDP's all-reduce is; divided first, as DDP averages), into the fp32 grad share. A parameter with no
+        """Average the model's grads over the replicas, each keeping its share (reduce-scatter, or an all-reduce
+        where that is faster; in the grads' dtype as DDP's all-reduce is; divided first, as DDP averages), into the
+        fp32 grad share. A parameter with no
         grad contributes zeros (its state still advances, unlike an unsharded step)."""
         for bucket in self._buckets:
             flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.grad.device)
@@ -312,6 +314,10 @@ class ShardedMasters:
             if present:
                 foreach_copy_([view for view, _ in present], [grad for _, grad in present])
             flat.div_(self._replicas)
+            if self._scatter_by_all_reduce:
+                dist.all_reduce(flat, group=self._group())
+                bucket.grad.copy_(flat[bucket.lo : bucket.lo + bucket.grad.numel()])
+                continue
             share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
             dist.reduce_scatter_tensor(share, flat, group=self._group())
             if share is not bucket.grad:

@@ -9,6 +9,7 @@ BatchNorm layers stay fp32 (as Apex's O2 did): their running statistics lose too
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -25,14 +26,18 @@ from typing_extensions import override
 
 from lightning_smp._compat import BatchNormBase, after_closure, replace_scheduler_methods, scheduler_state_without
 from lightning_smp.grad_vote import clip_grad_norm_counted
-from lightning_smp.master_shard import ShardedMasters, WholeMasters
+from lightning_smp.master_shard import Masters, Run, ShardedMasters, WholeMasters
 from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
+from lightning_smp.reduction import ReductionPlan
 from lightning_smp.sharded_data_parallel import FSDPMasters
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
 __all__ = ["SMPPrecision"]
+
+LossScaling = Callable[..., Tensor]
+"""``(loss, divide_by=1) -> the tensor backward starts from`` (`SMPPrecision.loss_scaling`)."""
 
 # Lightning's names for the parameter dtype (what ModelSummary sizes parameters by); the masters are extra.
 _PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
@@ -47,12 +52,6 @@ class SMPPrecision(Precision):
         static_loss_scale: fp16 with ``dynamic_loss_scale=False``: the fixed scale.
         dynamic_loss_args: fp16 dynamic scaling: smp's ``dynamic_loss_args`` (``init_scale``, ``scale_factor``,
             ``scale_window``, ``min_scale``, ``delayed_shift``, ``consecutive_hysteresis``).
-        shard_optimizer_state: shard the fp32 masters and the optimizer state over the data-parallel replicas
-            (ZeRO-1; in fp32 too, where the optimizer is then wrapped as well). The strategy must not all-reduce
-            the gradients over the replicas: the optimizer reduce-scatters them.
-        sharded_parameters: the parameters are FSDP2's sharded fp32 parameters (sharded data parallelism): the
-            module stays fp32 (FSDP2 casts for compute) and every optimizer, fp32 ones too, is wrapped, over
-            `FSDPMasters`.
         clip_norm: every optimizer clips the gradients to this global norm at every step (smp's
             ``sdp_gradient_clipping``); every optimizer, fp32 ones too, is then wrapped.
     """
@@ -64,8 +63,6 @@ class SMPPrecision(Precision):
         dynamic_loss_scale: bool = True,
         static_loss_scale: float = 1.0,
         dynamic_loss_args: dict[str, Any] | None = None,
-        shard_optimizer_state: bool = False,
-        sharded_parameters: bool = False,
         clip_norm: float | None = None,
     ) -> None:
         if dtype not in _PRECISION_NAMES:
@@ -77,10 +74,12 @@ class SMPPrecision(Precision):
         self._dynamic_loss_scale = dynamic_loss_scale
         self._static_loss_scale = static_loss_scale
         self._dynamic_loss_args = dict(dynamic_loss_args or {})
-        self._shard_optimizer_state = shard_optimizer_state
-        self._sharded_parameters = sharded_parameters
         self._clip_norm = clip_norm
         self._topology: Callable[[], Topology | None] = _no_topology
+        self.reduction = ReductionPlan()
+        """How the run reduces gradients over the replicas (`plan_reduction`), set by SMPStrategy with the
+        topology: it says where optimizers keep their masters (whole, ZeRO-1's share, FSDP2's shards) and whether
+        the module stays fp32 (FSDP2's sharded parameters are the masters and cast for compute)."""
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
 
@@ -103,7 +102,7 @@ class SMPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.dtype is None or self._sharded_parameters:
+        if self.dtype is None or self.reduction.sharded_parameters:
             return module
         module.to(self.dtype)
         for layer in module.modules():
@@ -157,6 +156,7 @@ class SMPPrecision(Precision):
         if not self._wraps():
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
+        self._wrapped = [opt for opt in optimizers if isinstance(opt, MasterWeightOptimizer)]  # this run's
         for config in lr_schedulers:
             if config.interval == "step":
                 owner = next(opt for opt in optimizers if opt == config.scheduler.optimizer)
@@ -174,13 +174,33 @@ class SMPPrecision(Precision):
         *args: Any,
         **kwargs: Any,
     ) -> None:
-        wrapped = self._optimizer_for_backward(optimizer)
-        if wrapped is None:
+        if self._optimizer_for_backward(optimizer) is None:
             return super().backward(tensor, model, optimizer, *args, **kwargs)
-        scale = wrapped.scale_tensor
-        scaled = tensor.float() * scale if scale is not None else tensor.float()
-        model.backward(scaled, *args, **kwargs)
-        wrapped.note_backward()
+        model.backward(self.loss_scaling(optimizer)(tensor), *args, **kwargs)
+
+    def loss_scaling(self, optimizer: Optimizable | None, *, accumulation: int = 1) -> LossScaling:
+        """The one rule of what a backward starts from: the loss in fp32, times the fp16 loss scale of
+        ``optimizer`` (a `MasterWeightOptimizer`, a Lightning wrapper of one, or None: the only one), divided by
+        ``accumulation`` × the call's ``divide_by``. Lightning's backward (above) takes it with both 1 (Lightning has
+        divided the loss by its accumulation count already); a pipelined step, whose backward runs inside
+        ``training_step`` before Lightning sees the loss, is handed it with ``accumulation`` and divides by its
+        microbatches. Without masters only the divisions apply."""
+        wrapped = self._optimizer_for_backward(optimizer)
+
+        def scaled(loss: Tensor, divide_by: int = 1) -> Tensor:
+            divisor = divide_by * accumulation
+            scale = wrapped.scale_tensor if wrapped is not None else None  # read at each call: it changes per step
+            return loss.float() * (scale / divisor if scale is not None else 1.0 / divisor)
+
+        return scaled
+
+    @override
+    def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
+        # The one place a backward is noted, whichever ran it (Lightning's, or the pipeline engine's gradients
+        # joining `.grad`): the masters' next unscale reads the grads again.
+        for optimizer in self._wrapped:
+            optimizer.note_backward()
+        return super().post_backward(tensor, module)
 
     @override
     def optimizer_step(  # type: ignore[override]
@@ -228,21 +248,19 @@ class SMPPrecision(Precision):
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
 
-    def _shards(self) -> bool:
-        """Whether optimizers shard their masters and state: asked for, and more than one replica to shard over."""
-        topology = self.topology
-        return self._shard_optimizer_state and topology is not None and topology.size("dp") > 1
-
-    def _masters(self) -> type[FSDPMasters | ShardedMasters | WholeMasters]:
-        """Where optimizers keep their masters: FSDP2's shards, this replica's share (ZeRO-1), or all of them."""
-        if self._sharded_parameters:
+    def _masters(self) -> Callable[[list[Tensor], Run], Masters]:
+        """Where optimizers keep their masters, as the run's reduction plan has it."""
+        if self.reduction.sharded_parameters:
             return FSDPMasters
-        return ShardedMasters if self._shards() else WholeMasters
+        if self.reduction.shards_masters:
+            return functools.partial(ShardedMasters, scatter_by_all_reduce=self.reduction.scatter_by_all_reduce)
+        return WholeMasters
 
     def _wraps(self) -> bool:
-        """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, sharded masters, or a step that
-        clips by itself."""
-        return self.dtype is not None or self._shards() or self._sharded_parameters or self._clip_norm is not None
+        """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, masters other than the parameters
+        themselves (ZeRO-1's share, FSDP2's shards), or a step that clips by itself."""
+        whole = not (self.reduction.shards_masters or self.reduction.sharded_parameters)
+        return self.dtype is not None or not whole or self._clip_norm is not None
 
     def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
         if isinstance(optimizer, MasterWeightOptimizer):

@@ -10,7 +10,6 @@ stage 3 (MiCS), a second training engine that would take the step away from Ligh
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -18,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Shard
 
 from lightning_smp._compat import HSDPMeshInfo, ShardPlacementResult, sync_module_states
-from lightning_smp.grad_vote import Counted
+from lightning_smp.grad_vote import Counted, norm_copies
 from lightning_smp.master_shard import Run
-from lightning_smp.placement import placement_of, placements_kept
+from lightning_smp.placement import placements_kept
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -115,7 +114,7 @@ class FSDPMasters:
             )
         self.params = list(params)
         # How often each value of a parameter's grad is held across the job, where it counts in the norm (0: never).
-        self._norm_copies = [_copies(p) if placement_of(p).counts_in_norm else 0 for p in self.params]
+        self._norm_copies = [norm_copies(p) for p in self.params]
 
     def optimized(self) -> dict[int, Tensor]:
         return {id(p): p for p in self.params}
@@ -166,12 +165,3 @@ class FSDPMasters:
 
     def state_of_optimized(self, states: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         return states
-
-
-def _copies(param: Tensor) -> int:
-    """On how many data-parallel ranks ``param``'s local values are held: the product of its mesh dims on which it
-    is replicated (the replicas of a shard group; every dp rank for a module kept whole)."""
-    if not isinstance(param, DTensor):
-        return 1
-    mesh = param.device_mesh
-    return math.prod(mesh.size(dim) for dim, p in enumerate(param.placements) if isinstance(p, Replicate))

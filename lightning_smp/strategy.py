@@ -55,10 +55,11 @@ from lightning_smp._compat import (
 )
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
-from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.materialization import has_meta_tensors
 from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
+from lightning_smp.reduction import ReductionPlan, plan_reduction
 from lightning_smp.tensor_parallel.rng import sync_default_generator
 from lightning_smp.topology import Topology
 
@@ -158,6 +159,7 @@ class SMPStrategy(DDPStrategy):
         for line in [*self._config.deprecated_settings(), *self._config.inactive_settings()]:
             rank_zero_warn(line)
         self._topology: Topology | None = None
+        self._reduction = ReductionPlan()  # who reduces gradients over the replicas, planned with the topology
         self._sigterm = fault_tolerance.SchedulerSignal()
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
@@ -208,9 +210,7 @@ class SMPStrategy(DDPStrategy):
                 dynamic_loss_scale=self._config.dynamic_loss_scale,
                 static_loss_scale=self._config.static_loss_scale,
                 dynamic_loss_args=dict(self._config.dynamic_loss_args or {}),
-                shard_optimizer_state=self._config.shard_optimizer_state,
-                sharded_parameters=self._sharded,
-                clip_norm=self._config.sdp_gradient_clipping if self._sharded else None,
+                clip_norm=self._config.sdp_gradient_clipping if self._config.sharded_data_parallel_degree > 1 else None,
             )
         return self._precision_plugin
 
@@ -246,8 +246,10 @@ class SMPStrategy(DDPStrategy):
             sdp=config.sharded_data_parallel_degree,
         )
         plugin = self.precision_plugin
+        self._reduction = plan_reduction(config, self._topology)
         if isinstance(plugin, SMPPrecision):
             plugin.topology = self._topology
+            plugin.reduction = self._reduction
         smp_facade.start_run(
             smp_facade.RunRecord.from_topology(
                 self._topology,
@@ -307,16 +309,11 @@ class SMPStrategy(DDPStrategy):
         )
         return model
 
-    @property
-    def _sharded(self) -> bool:
-        """Whether parameters are sharded over data-parallel ranks (smp's sharded data parallelism, FSDP2)."""
-        return self._config.sharded_data_parallel_degree > 1
-
     @override
     def model_to_device(self) -> None:
         # Under sharding FSDP2 has put the shards and buffers on the device; `Module.to` would swap each DTensor
         # parameter for a new object, dropping its placement (the norm bookkeeping) and FSDP2's reference.
-        if not self._sharded:
+        if not self._reduction.sharded_parameters:
             super().model_to_device()
 
     @property
@@ -329,15 +326,13 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        if self.topology.size("dp") == 1 or self._sharded:
-            return  # one replica: nothing to all-reduce; sharded data parallelism: FSDP2 reduces the grads
-        if self._pipeline is not None or self._config.shard_optimizer_state:
-            # Several backward passes per step: the pipeline engine all-reduces once, after the schedule; with
-            # sharded optimizer state the optimizer reduce-scatters instead. DDP's other job, making the replicas
-            # start equal, is done here.
+        # The reduction plan says who reduces (`lightning_smp.reduction`): DDP wraps only when it is DDP's job.
+        # Where the pipeline engine all-reduces or the optimizer reduce-scatters, DDP's other job, making the
+        # replicas start equal, is done here; FSDP2 syncs as it shards, and one replica has nothing to sync.
+        if self._reduction.wraps_ddp:
+            super().configure_ddp()
+        elif self._reduction.syncs_replicas_at_setup:
             _sync_over_replicas(self.model, self.topology)
-            return
-        super().configure_ddp()
 
     @override
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
@@ -376,8 +371,10 @@ class SMPStrategy(DDPStrategy):
                 args,
                 kwargs,
                 step=self._step_function("training_step"),
-                loss_scale=self._loss_scale_tensor(),
-                grad_divisor=self.lightning_module.trainer.accumulate_grad_batches,
+                scale_loss=self.precision_plugin.loss_scaling(
+                    self.optimizers[0] if self.optimizers else None,
+                    accumulation=self.lightning_module.trainer.accumulate_grad_batches,
+                ),
             )
         self._log_loss_scale()
         return own(output)
@@ -412,9 +409,6 @@ class SMPStrategy(DDPStrategy):
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.finish_backward(sync=not self._grad_sync_blocked)
-        for optimizer_ in self.optimizers:
-            if isinstance(optimizer_, MasterWeightOptimizer):
-                optimizer_.note_backward()
         return self.precision_plugin.post_backward(closure_loss, module)
 
     @override
@@ -453,7 +447,7 @@ class SMPStrategy(DDPStrategy):
         return (combined.batch, *args[1:]), combined.own
 
     def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self._sharded:
+        if not self._reduction.sharded_parameters:
             return getattr(super(), name)(*args, **kwargs)
         # FSDP2 gathers the root unit's parameters in the LightningModule's forward hooks: run the step as its
         # forward (Lightning's forward redirection; the model is the LightningModule itself, not a wrapper).
@@ -479,11 +473,6 @@ class SMPStrategy(DDPStrategy):
             "test_step": plugin.test_step_context,
             "predict_step": plugin.predict_step_context,
         }[name]
-
-    def _loss_scale_tensor(self) -> Tensor | None:
-        """The fp16 loss scale the pipelined backward multiplies the loss by, as the precision plugin would."""
-        optimizer = self.optimizers[0] if self.optimizers else None
-        return optimizer.scale_tensor if isinstance(optimizer, MasterWeightOptimizer) else None
 
     def _log_loss_scale(self) -> None:
         """Show the loss scale and the skipped-step count (device tensors: Lightning reads them when it logs)."""
@@ -614,8 +603,8 @@ class SMPStrategy(DDPStrategy):
     def teardown(self) -> None:
         smp_facade.end_run()
         module = self.lightning_module if self.lightning_module is not None else torch.nn.Module()
-        with placements_kept(module):  # Lightning moves the model to the CPU: DTensor parameters lose attributes
-            super().teardown()
+        with placements_kept(module), _meta_left_in_place(module):
+            super().teardown()  # moves the model to the CPU: DTensor parameters lose attributes, meta ones fail
 
     def forget_process_groups(self) -> None:
         """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,
@@ -673,3 +662,18 @@ def register_strategies(registry: Any = StrategyRegistry) -> None:
     for name, description, init_params in _PRESETS:
         if name not in registry:
             registry.register(name, SMPStrategy, description=description, **init_params)
+
+
+@contextmanager
+def _meta_left_in_place(module: torch.nn.Module) -> Generator[None, None, None]:
+    """Lightning's teardown moves the model to the CPU. A model whose setup failed before it was materialised
+    (delayed initialisation) still has meta tensors, which cannot move: it is left where it is, so that the
+    setup's own error is the one the user sees, not "Cannot copy out of meta tensor"."""
+    if not has_meta_tensors(module):
+        yield
+        return
+    module.cpu = lambda: module  # the instance attribute hides the method for this teardown
+    try:
+        yield
+    finally:
+        del module.cpu

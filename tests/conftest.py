@@ -7,7 +7,7 @@ The test process and everything it starts (ranks, CLI and example jobs, benchmar
 Lightning writes ``MASTER_ADDR`` and ``MASTER_PORT`` into this process's environment when a strategy sets up its
 process group, and that one-rank group keeps listening on the port after ``fit``. A benchmark or CLI job a later
 test starts inherits the variables and fails to bind the same port (EADDRINUSE). Each test therefore gets the
-launch variables back as they were before it ran. The same goes for the seed Lightning's ``seed_everything``
+launch variables back as they were when the session started. The same goes for the seed Lightning's ``seed_everything``
 (a CLI fit) writes as ``PL_GLOBAL_SEED``: a rank launched later would re-seed from it when its strategy sets up,
 and build a model other than the single-process reference it is compared with.
 """
@@ -27,11 +27,15 @@ _LAUNCH_VARIABLES = (
 )
 
 
+# As the session found them: a module-scoped fixture that fits in process sets them up before a test's own fixtures
+# run, so restoring what a test saw when it started would keep that fixture's port for the rest of the session.
+_AT_SESSION_START = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
+
+
 @pytest.fixture(autouse=True)
 def _restore_launch_variables() -> Iterator[None]:
-    before = {name: os.environ.get(name) for name in _LAUNCH_VARIABLES}
     yield
-    for name, value in before.items():
+    for name, value in _AT_SESSION_START.items():
         if value is None:
             os.environ.pop(name, None)
         else:

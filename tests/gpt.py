@@ -1,11 +1,13 @@
-"""The tiny GPTs the tests train, in the two forms the package meets; each test adds its own steps, optimizer and
-data (`AdamWGPT` is the one recipe two test files share).
+"""The tiny GPTs the tests train, in the two forms the package meets, and a tiny Hugging Face Llama; each test adds
+its own steps, optimizer and data to the GPTs (`AdamWGPT` is the one recipe two test files share).
 
 `TinyGPT` is written as the smp docs tell users to write one: torch's ``nn.TransformerEncoderLayer`` blocks built
 in ``configure_model`` under ``smp.model_creation(tensor_parallelism=smp.tp_size() > 1)``, a ModuleList trunk for
 the pipeline, and a head tied to the token embedding. `BlockGPT` is built at construction from
 `tests.models.TransformerBlock`, whose causal mask is a second positional argument (a pipeline does not send it
-between stages), with the head tied or not.
+between stages), with the head tied or not. `TinyLlama` wraps a transformers ``LlamaForCausalLM`` (grouped-query
+attention, an untied head: `llama_config`), random or ``from_pretrained``, optionally under peft's LoRA, with its
+own steps, optimizer and data (transformers and peft are imported only when it is built).
 """
 
 import lightning.pytorch as pl
@@ -18,7 +20,19 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_smp import smp
 from tests.models import TransformerBlock
 
-__all__ = ["BLOCKS", "HEADS", "SEQ", "VOCAB", "WIDTH", "AdamWGPT", "BlockGPT", "TinyGPT", "token_batches"]
+__all__ = [
+    "BLOCKS",
+    "HEADS",
+    "SEQ",
+    "VOCAB",
+    "WIDTH",
+    "AdamWGPT",
+    "BlockGPT",
+    "TinyGPT",
+    "TinyLlama",
+    "llama_config",
+    "token_batches",
+]
 
 VOCAB, WIDTH, HEADS, SEQ = 32, 16, 4, 8
 BLOCKS = 4  # BlockGPT's trunk: enough for four pipeline stages, or two of two virtual stages each
@@ -143,3 +157,58 @@ class BlockGPT(pl.LightningModule):
         """The mean next-token cross entropy of a (B, SEQ + 1) token batch, in fp32."""
         logits = self(batch[:, :-1])
         return F.cross_entropy(logits.float().reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+
+
+def llama_config(**overrides):
+    """A tiny ``LlamaConfig``: 2 layers of width 16, 4 query heads over 2 key/value heads, an untied head, VOCAB
+    tokens; ``overrides`` replace any of it."""
+    import transformers
+
+    tiny = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
+    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2 * SEQ}
+    return transformers.LlamaConfig(**{**tiny, **heads, "pad_token_id": 0, **overrides})
+
+
+class TinyLlama(pl.LightningModule):
+    """A ``LlamaForCausalLM`` built in ``configure_model`` under ``smp.model_creation`` and kept as ``self.model``:
+    random (`llama_config` with ``config`` overrides, seeded) or ``from_pretrained(pretrained)``; with ``lora``,
+    wrapped by ``peft.get_peft_model`` with ``LoraConfig(**lora)`` (its adapters seeded). Trained with AdamW over
+    ``self.parameters()`` (peft froze the base) on 64 random sequences in batches of 4.
+    """
+
+    def __init__(self, pretrained: str | None = None, *, lora: dict | None = None, **config) -> None:
+        super().__init__()
+        self.pretrained, self.lora, self.config_overrides = pretrained, lora, config
+        self.model: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        import transformers
+
+        torch.manual_seed(0)
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            if self.pretrained is None:
+                model = transformers.LlamaForCausalLM(llama_config(**self.config_overrides))
+            else:
+                model = transformers.LlamaForCausalLM.from_pretrained(self.pretrained)
+            if self.lora is not None:
+                import peft
+
+                torch.manual_seed(0)
+                model = peft.get_peft_model(model, peft.LoraConfig(**self.lora))
+        self.model = model
+
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        ids, target = batch
+        return F.cross_entropy(self.model(input_ids=ids).logits.float().flatten(0, 1), target.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self.loss(batch)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        ids, target = token_batches(seed=1, samples=64)
+        return DataLoader(TensorDataset(ids % self.model.config.vocab_size, target), batch_size=4)

@@ -4,6 +4,7 @@ judged here: docs/benchmarks.md holds the measured figures and the commands that
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -16,19 +17,25 @@ _REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, *args: str, timeout: float = 240) -> str:
-    """Run ``benchmarks/<script>`` in a fresh interpreter; returns its stdout, fails with its stderr's tail."""
-    try:
-        done = subprocess.run(
-            [sys.executable, str(_REPO / "benchmarks" / script), *args],
-            cwd=_REPO,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-        )
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"{script} {' '.join(args)} ran past {timeout} s", pytrace=False)
-    assert done.returncode == 0, f"{script} failed:\n{done.stderr[-3000:]}"
-    return done.stdout
+    """Run ``benchmarks/<script>`` in a fresh interpreter; returns its stdout, fails with its stderr's tail. Past the
+    timeout the script's whole process group ends, the ranks it launched included, so that they do not go on taking
+    the cores of the tests that follow."""
+    with subprocess.Popen(
+        [sys.executable, str(_REPO / "benchmarks" / script), *args],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            pytest.fail(f"{script} {' '.join(args)} ran past {timeout} s", pytrace=False)
+    assert process.returncode == 0, f"{script} failed:\n{stderr[-3000:]}"
+    return stdout
 
 
 def _positive(value: float) -> bool:

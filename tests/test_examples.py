@@ -8,6 +8,8 @@ from types import ModuleType
 
 import pytest
 
+from tests.distributed import run_distributed
+
 _EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -48,6 +50,28 @@ def test_hf_llama_trains_a_transformers_model_at_its_smallest_setting() -> None:
     checkpointed = hf_llama.main([*brief, "--max-steps", "6", "--val-every", "6", "--activation-checkpointing"])
     plain = hf_llama.main([*brief, "--max-steps", "6", "--val-every", "6"])
     assert checkpointed["val_loss"] == plain["val_loss"] and checkpointed["train_loss"] == plain["train_loss"]
+
+
+def _hf_finetune(rank: int, argv: list[str]) -> dict[str, float]:
+    from examples import hf_finetune
+
+    return hf_finetune.main(argv)
+
+
+def test_hf_finetune_fine_tunes_a_pretrained_llama_and_exports_it(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    from examples import hf_finetune
+
+    small = ["--accelerator", "cpu", "--num-files", "2", "--batch-size", "8", "--val-batches", "4"]
+    hf_finetune.main(["--make-tiny-pretrained", str(tmp_path / "tiny"), "--pretrain-steps", "2", *small])
+    tuned = [*small, "--model-dir", str(tmp_path / "tiny"), "--max-steps", "4"]
+    metrics = hf_finetune.main([*tuned, "--output-dir", str(tmp_path / "full")])
+    assert metrics["val_loss"] < metrics["val_loss_before"]
+    assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "full" / "model").iterdir()}
+    lora = [*tuned, "--output-dir", str(tmp_path / "lora"), "--lora", "--pp", "2", "--lr", "1e-2"]
+    first, _ = run_distributed(_hf_finetune, 2, lora, timeout=300)
+    assert first["val_loss"] < first["val_loss_before"]
+    assert (tmp_path / "lora" / "adapters" / "adapter_model.safetensors").is_file()
 
 
 def test_digits_cnn_fp32_reaches_target_without_loss_scaling(digits_cnn: ModuleType) -> None:

@@ -20,18 +20,17 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_smp import SMPStrategy, cli, consolidate_checkpoint, consolidated_state_dict, export_hf, smp
+from lightning_smp import SMPStrategy, cli, consolidate_checkpoint, consolidated_state_dict, export_hf
 from lightning_smp.checkpoint import META_FILENAME, CheckpointError, consolidation, dcp_adapter, export
 from lightning_smp.checkpoint.hugging_face import RECORD_KEY
 from lightning_smp.checkpoint.names import model_state_dict, optimizer_state_dict
 from lightning_smp.progress import Progress
 from tests.distributed import run_distributed
-from tests.gpt import SEQ, VOCAB, TinyGPT, token_batches
+from tests.gpt import TinyGPT, TinyLlama, token_batches
 from tests.models import quiet_trainer
 from tests.parity import FP32_REL, single_device_run
 
@@ -49,42 +48,6 @@ REPLICAS = {"one_device": 1, "tp2": 2, "pp2": 1, "dp2_zero1": 2, "sdp2": 2, "pp2
 # The memory model: an embedding and an LM head of 32 MiB each (fp32), the rest small.
 BIG = {"vocab_size": 16384, "hidden_size": 512, "intermediate_size": 256, "num_hidden_layers": 1}
 LARGEST = 16384 * 512 * 4
-
-
-def _llama_config(**overrides) -> "transformers.LlamaConfig":
-    tiny = {"vocab_size": VOCAB, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2}
-    heads = {"num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 2 * SEQ}
-    return transformers.LlamaConfig(**{**tiny, **heads, "pad_token_id": 0, **overrides})
-
-
-class _Llama(pl.LightningModule):
-    """A random-init ``LlamaForCausalLM`` built in ``configure_model`` and kept as ``self.model``."""
-
-    def __init__(self, **config) -> None:
-        super().__init__()
-        self.config_overrides = config
-        self.model: torch.nn.Module | None = None
-
-    def configure_model(self) -> None:
-        if self.model is not None:
-            return
-        torch.manual_seed(0)
-        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-            self.model = transformers.LlamaForCausalLM(_llama_config(**self.config_overrides))
-
-    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
-        ids, target = batch
-        return F.cross_entropy(self.model(input_ids=ids).logits.float().flatten(0, 1), target.flatten())
-
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return self.loss(batch)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    def train_dataloader(self) -> DataLoader:
-        ids, target = token_batches(seed=1, samples=64)
-        return DataLoader(TensorDataset(ids % self.model.config.vocab_size, target), batch_size=BATCH)
 
 
 class _GPT(TinyGPT):
@@ -122,10 +85,10 @@ def _one_device(rank: int, root: str) -> dict:
     dcp_adapter.Progress = functools.partial(Progress, interval=0.0, report=lines.append)  # this process only
     results = {}
     for name, module, strategy in [
-        ("one_device", _Llama(), {}),
-        ("tied", _Llama(tie_word_embeddings=True), {}),
+        ("one_device", TinyLlama(), {}),
+        ("tied", TinyLlama(tie_word_embeddings=True), {}),
         ("plain", _GPT(), {}),
-        ("fp16", _Llama(), FP16),
+        ("fp16", TinyLlama(), FP16),
     ]:
         trainer = _fit(module, strategy, root_path / f"{name}.ckpt")
         results[name] = _trained(module, trainer)
@@ -136,13 +99,13 @@ def _one_device(rank: int, root: str) -> dict:
 def _layouts(rank: int, root: str, layouts: dict) -> dict:
     torch.set_num_threads(1)
     for name, strategy in layouts.items():
-        module = _Llama()
+        module = TinyLlama()
         trainer = _fit(module, strategy, Path(root) / f"{name}.ckpt")
         if name in RESUMED:
             _resumes_exactly(module, trainer, strategy, Path(root) / f"{name}.ckpt")
     if "tp2" not in layouts:
         return {}
-    _fit(_Llama(**BIG), TP2, Path(root) / "big.ckpt", steps=1)
+    _fit(TinyLlama(**BIG), TP2, Path(root) / "big.ckpt", steps=1)
     result = _measured(Path(root)) if rank == 0 else {}
     dist.barrier()
     return result
@@ -150,7 +113,7 @@ def _layouts(rank: int, root: str, layouts: dict) -> dict:
 
 def _resumes_exactly(module: pl.LightningModule, trainer: pl.Trainer, strategy: dict, path: Path) -> None:
     """The checkpoint restores every rank's own weights and optimizer state, bit for bit, in a new run."""
-    resumed = _Llama()
+    resumed = TinyLlama()
     again = quiet_trainer(SMPStrategy(**strategy), devices=int(os.environ["WORLD_SIZE"]), max_steps=STEPS)
     again.fit(resumed, ckpt_path=path)  # restores, then stops: max_steps is reached
     for saved, restored in zip(_own_state(module, trainer), _own_state(resumed, again), strict=True):
@@ -220,8 +183,8 @@ def four_ranks(root) -> None:
 def _reference(replicas: int) -> dict[str, Tensor]:
     """The single-device run in plain PyTorch on the global batch: its trained weights, by the Llama's own names."""
 
-    def build() -> _Llama:
-        module = _Llama()
+    def build() -> TinyLlama:
+        module = TinyLlama()
         module.configure_model()
         return module
 
@@ -254,7 +217,7 @@ def _check_layout(root: Path, name: str) -> None:
     assert set(weights) == set(reference)
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, rtol=FP32_REL, atol=1e-6, msg=lambda m, k=key: f"{k}: {m}")
-    trained = _Llama()
+    trained = TinyLlama()
     trained.configure_model()
     trained.model.load_state_dict(reference)
     ids = token_batches(seed=3, samples=4)[0]
@@ -287,7 +250,7 @@ def test_export_from_four_rank_layouts_equals_the_single_device_run(root, four_r
 
 @pytest.mark.timeout(600)
 def test_the_files_are_what_save_pretrained_writes(root, one_device, tmp_path):
-    module = _Llama()
+    module = TinyLlama()
     module.configure_model()
     module.model.load_state_dict(consolidated_state_dict(consolidate_checkpoint(root / "one_device.ckpt"), "model"))
     module.model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")

@@ -1,11 +1,13 @@
-"""Export: a sharded checkpoint becomes a Hugging Face model directory, or plain safetensors, one tensor at a time.
+"""Export: a sharded checkpoint becomes a Hugging Face model directory, or plain safetensors, one tensor at a time;
+or a peft model's adapter directory.
 
 Owns `export_hf`: which tensors go out under which names (a wrapped transformers model's own, as its
 ``save_pretrained`` names them; else the LightningModule's state dict), their dtype, their split into shard files
 with the index, and publishing the directory whole. Not owned: the record of the wrapped model and its configs
 (`hugging_face.py`), reading tensors whole (`whole_tensors.py`), the file format (`safetensors_file.py`). No
 process group is needed, and each tensor is read from the shards, cast, written and freed before the next: the
-memory the export takes is about the largest tensor, whatever the size of the model or of a shard file.
+memory the export takes is about the largest tensor, whatever the size of the model or of a shard file. A peft
+model's adapters (small) are read together and handed to peft's own ``save_pretrained``.
 """
 
 from __future__ import annotations
@@ -60,6 +62,11 @@ def export_hf(
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` needs nothing else (add the tokenizer's files to use it as a
     pipeline). Any other LightningModule gets its whole state dict under its own names, in the same files.
 
+    A peft model (``self.model = get_peft_model(base, LoraConfig(...))``) gets its adapters, as its own
+    ``save_pretrained`` writes them: ``adapter_config.json`` and ``adapter_model.safetensors``, which
+    ``PeftModel.from_pretrained(base, out_dir)`` loads onto the pretrained base model (the base weights are not
+    written: the run did not change them). ``max_shard_size`` does not apply (peft writes one file).
+
     Args:
         checkpoint: the directory `trainer.save_checkpoint` or `ModelCheckpoint` wrote under SMPStrategy.
         out_dir: where to write; it must not exist or be empty. It appears whole, or not at all.
@@ -81,30 +88,68 @@ def export_hf(
         )
     src, _, record, metadata = read_checked(checkpoint, "export")
     model = _wrapped_model(src, record)
-    sources = _sources(model, metadata)  # exported name → checkpoint entry
     with WholeTensors(src, metadata) as tensors:
-        specs = _specs(sources, tensors, dtype)
-        files = _shard_files({name: shape.numel() * out.itemsize for name, (shape, out) in specs.items()}, limit)
         staging = staging_path(out_dir)
         staging.mkdir(parents=True)
         try:
-            total = sum(shape.numel() * out.itemsize for shape, out in specs.values())
-            with Progress(f"exporting {src.name} to {out_dir}", total) as progress:
-                for filename, names in files.items():
-                    listed = [(name, *specs[name]) for name in names]
-                    fill = lambda name: tensors.read(sources[name], specs[name][1])  # noqa: E731
-                    write_safetensors(staging / filename, listed, fill, progress.advance)
-            if len(files) > 1:
-                parameters = model.num_parameters() if model is not None else sum(s.numel() for s, _ in specs.values())
-                _write_index(staging / _INDEX, files, total, parameters)
-            if model is not None:
-                model.write_configs(staging, _config_dtype(specs, dtype))
+            what = f"exporting {src.name} to {out_dir}"
+            if model is not None and model.adapters:
+                _write_adapters(model, metadata, tensors, dtype, staging, what)
+            else:
+                _write_model(model, metadata, tensors, dtype, limit, staging, what)
             publish(staging, out_dir)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-    log.info("lightning_smp: exported %s to %s (%d files)", src, out_dir, len(files))
+    log.info("lightning_smp: exported %s to %s", src, out_dir)
     return out_dir
+
+
+def _write_model(
+    model: HuggingFaceModel | None,
+    metadata: Metadata,
+    tensors: WholeTensors,
+    dtype: torch.dtype | None,
+    limit: int,
+    directory: Path,
+    what: str,
+) -> None:
+    """The model's files (or the LightningModule's state dict's) into ``directory``, one tensor at a time."""
+    sources = _sources(model, metadata)  # exported name → checkpoint entry
+    specs = _specs(sources, tensors, dtype)
+    files = _shard_files({name: shape.numel() * out.itemsize for name, (shape, out) in specs.items()}, limit)
+    total = sum(shape.numel() * out.itemsize for shape, out in specs.values())
+    with Progress(what, total) as progress:
+        for filename, names in files.items():
+            listed = [(name, *specs[name]) for name in names]
+            fill = lambda name: tensors.read(sources[name], specs[name][1])  # noqa: E731
+            write_safetensors(directory / filename, listed, fill, progress.advance)
+    if len(files) > 1:
+        parameters = model.num_parameters() if model is not None else sum(s.numel() for s, _ in specs.values())
+        _write_index(directory / _INDEX, files, total, parameters)
+    if model is not None:
+        model.write_configs(directory, _config_dtype(specs, dtype))
+
+
+def _write_adapters(
+    model: HuggingFaceModel,
+    metadata: Metadata,
+    tensors: WholeTensors,
+    dtype: torch.dtype | None,
+    directory: Path,
+    what: str,
+) -> None:
+    """A peft model's adapters into ``directory``, as its ``save_pretrained`` writes them. Adapters are small (the
+    point of them): they are read whole, together, and peft writes them."""
+    sources = {name: f"{MODEL}{model.prefix}{name}" for name in model.adapter_names()}
+    _check_present(model, sources, metadata)
+    specs = _specs(sources, tensors, dtype)
+    adapters = {}
+    with Progress(what, sum(shape.numel() * out.itemsize for shape, out in specs.values())) as progress:
+        for name, (shape, out) in specs.items():
+            adapters[name] = tensors.read(sources[name], out)
+            progress.advance(shape.numel() * out.itemsize)
+    model.write_adapters(directory, adapters)
 
 
 def _wrapped_model(src: Path, record: Mapping) -> HuggingFaceModel | None:
@@ -131,14 +176,7 @@ def _sources(model: HuggingFaceModel | None, metadata: Metadata) -> dict[str, st
     if model is None:
         return {entry[len(MODEL) :]: entry for entry in entries}
     sources = {name: f"{MODEL}{model.prefix}{own}" for name, own in model.saved_names().items()}
-    missing = [entry[len(MODEL) :] for entry in sources.values() if entry not in metadata.state_dict_metadata]
-    if missing:
-        raise CheckpointError(
-            f"The checkpoint lacks {len(missing)} of the tensors of the {type(model.model).__name__} it recorded at "
-            f"{model.place!r}: {', '.join(missing[:10])}. It does not match the model's config (its layers were "
-            "changed after it was built?): consolidate the checkpoint and load `consolidated_state_dict(file, "
-            f"{model.place!r})` into the model you mean, then call its `save_pretrained`."
-        )
+    _check_present(model, sources, metadata)
     others = [entry[len(MODEL) :] for entry in entries if not entry.startswith(MODEL + model.prefix)]
     if others:
         log.warning(
@@ -149,6 +187,17 @@ def _sources(model: HuggingFaceModel | None, metadata: Metadata) -> dict[str, st
             ", ".join(others[:10]),
         )
     return sources
+
+
+def _check_present(model: HuggingFaceModel, sources: Mapping[str, str], metadata: Metadata) -> None:
+    missing = [entry[len(MODEL) :] for entry in sources.values() if entry not in metadata.state_dict_metadata]
+    if missing:
+        raise CheckpointError(
+            f"The checkpoint lacks {len(missing)} of the tensors of the {type(model.model).__name__} it recorded at "
+            f"{model.place!r}: {', '.join(missing[:10])}. It does not match the model's config (its layers were "
+            "changed after it was built?): consolidate the checkpoint and load `consolidated_state_dict(file, "
+            f"{model.place!r})` into the model you mean, then call its `save_pretrained`."
+        )
 
 
 def _specs(

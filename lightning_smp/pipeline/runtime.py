@@ -8,7 +8,8 @@ weights in sync (pytorch #51931). The schedules are the same family (schedule.py
 ``benchmarks/pipeline_bench.py`` measures this driver against torch's on the same split.
 
 Owns the schedule loop: the microbatch loop, forward and backward per action (a backward split in two where the
-plan has a W action for it, `split_backward`), and scaling the pipelined loss (× loss scale / (m × k)). It hands
+plan has a W action for it, `split_backward`), and dividing the pipelined loss by the microbatches (the scale and the
+accumulation count applied by the precision plugin's callable). It hands
 the rest to one object each: the step's gradients wait in `HeldGradients` until Lightning's backward call,
 `StageGradientReduction` reduces them, `Results` records the last stage's outputs, logs and metrics and replays
 them on every stage, and the `PipelineLayout` says which parameters this stage trains. Not owned: the plans
@@ -39,6 +40,7 @@ from lightning_smp.pipeline.results import Results, StepRecord
 from lightning_smp.pipeline.split_backward import BackwardSplitter, WeightGradients
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.placement import mark_norm_duplicate
+from lightning_smp.reduction import plan_reduction
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
@@ -80,7 +82,7 @@ def build_engine(
     log.debug("PipelineEngine: stage %d of %d holds trunk children %s", stage, topology.pp, plan.owned(stage))
     router = TrunkRouter(module.get_submodule(plan.trunk), plan, stage)
     hold_outside(module, outside, router)
-    reduction = StageGradientReduction(topology=topology, over_replicas=not config.shard_optimizer_state)
+    reduction = StageGradientReduction(topology=topology, plan=plan_reduction(config, topology))
     engine = PipelineEngine(module, layout=layout, router=router, topology=topology, config=config, reduce=reduction)
     if topology.pp > 1 and topology.is_last_stage:
         for param in engine.tied_parameters:
@@ -105,7 +107,7 @@ class _Step:
     kwargs: dict
     step: Callable[..., Any]
     training: bool
-    factor: Tensor | float = 1.0
+    scale_loss: Callable[..., Tensor] | None = None  # training: what a microbatch's backward starts from
     params: list[nn.Parameter] = field(default_factory=list)  # this stage's trained parameters
     splitter: BackwardSplitter | None = None  # when the plan splits backwards
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
@@ -184,16 +186,17 @@ class PipelineEngine:
         kwargs: dict,
         *,
         step: Callable[..., Any],
-        loss_scale: Tensor | None,
-        grad_divisor: int,
+        scale_loss: Callable[..., Tensor],
     ) -> Any:
         """Forward and backward of every microbatch of the batch ``args[0]``; returns the last stage's output
-        (loss = mean over microbatches) on every stage. The gradients wait for `finish_backward`."""
+        (loss = mean over microbatches) on every stage. Each microbatch's backward starts from
+        ``scale_loss(loss, divide_by=microbatches)`` (the precision plugin's `loss_scaling`: the loss scale and the
+        accumulation count are its). The gradients wait for `finish_backward`."""
         microbatches = split_batch(args[0], self._config.microbatches)
-        divisor = len(microbatches) * grad_divisor
-        factor = loss_scale / divisor if loss_scale is not None else 1.0 / divisor
         params = self._trainable()
-        state = _Step(microbatches, tuple(args[1:]), dict(kwargs), step, training=True, factor=factor, params=params)
+        state = _Step(
+            microbatches, tuple(args[1:]), dict(kwargs), step, training=True, scale_loss=scale_loss, params=params
+        )
         with self._held.collect(params):
             self._run(state)
         return self._share(state)
@@ -312,7 +315,8 @@ class PipelineEngine:
         grads: list[Tensor | None] = []
         if chunk == self.plan.num_chunks - 1:
             if live.loss is not None and live.loss.requires_grad:
-                outputs, grads = [live.loss.float() * state.factor], [None]
+                assert state.scale_loss is not None
+                outputs, grads = [state.scale_loss(live.loss, divide_by=len(state.microbatches))], [None]
         else:
             received = transport.wait_grads(live.grads)
             if live.outputs:

@@ -4,8 +4,9 @@ A transformers model (``PreTrainedModel``) names what to split in ``model.tp_pla
 the model (``*`` for the layer number), merged by transformers from the class's ``_tp_plan``, the config's
 ``base_model_tp_plan`` and its children's plans. GPT-2, BERT and RoBERTa ship none; smp split them out of the box,
 so a built-in plan stands in. `plan.py` matches the patterns and builds the units; this module only says which plan
-a model has, which of its styles lightning_smp honours, and which entries must split together (`link_key`).
-Nothing here imports transformers: a module that is a transformers model has imported it already.
+a model has, which of its styles lightning_smp honours, which entries must split together (`link_key`), and which
+layers peft's adapters wrap (`is_adapter_layer`: LoRA's low-rank product would need a split of its own). Nothing
+here imports transformers or peft: a module that is a transformers model or a peft layer has imported it already.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ __all__ = [
     "SELF_CONTAINED_STYLES",
     "ModelPlan",
     "heads_reason",
+    "is_adapter_layer",
     "is_transformers_model",
     "layers_by_style",
     "link_key",
@@ -109,6 +111,12 @@ def link_key(name: str, style: str, link_up: int) -> str:
     if style in SELF_CONTAINED_STYLES:
         return name
     return ".".join(name.split(".")[:-link_up])
+
+
+def is_adapter_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer peft's adapters (LoRA) wrap: ``peft.tuners.tuners_utils.BaseTunerLayer``."""
+    tuners = sys.modules.get("peft.tuners.tuners_utils")
+    return tuners is not None and isinstance(module, tuners.BaseTunerLayer)
 
 
 def heads_reason(parent: nn.Module, features: int, tp_size: int, what: str) -> str | None:

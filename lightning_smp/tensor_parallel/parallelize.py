@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_smp._compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_smp.placement import mark_norm_duplicate
+from lightning_smp.reduction import buckets
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG, sync_default_generator, tensor_parallel_seed
@@ -34,7 +35,6 @@ __all__ = ["apply_plan", "parallelize"]
 
 log = logging.getLogger(__name__)
 
-_BROADCAST_BUCKET_BYTES = 64 * 2**20
 # Set on the root module by the first call: later calls (trainer.validate after fit) sync and warn only for news.
 _DONE_ATTRIBUTE = "_smp_tp_parallelized"
 
@@ -153,23 +153,11 @@ def _broadcast_unsharded_state(model: nn.Module, group: dist.ProcessGroup, devic
     tensors = [p.data for p in model.parameters() if shard_of(p) is None] + list(model.buffers())
     tensors = [t for t in tensors if not t.is_meta]
     src = dist.get_global_rank(group, 0)
-    for bucket in _buckets(tensors):
+    for bucket in buckets(tensors):
         flat = flatten_dense_tensors(bucket).to(device)
         dist.broadcast(flat, src=src, group=group)
         for tensor, value in zip(bucket, unflatten_dense_tensors(flat, bucket), strict=True):
             tensor.copy_(value)
-
-
-def _buckets(tensors: list[Tensor]) -> list[list[Tensor]]:
-    """Group ``tensors`` by device and dtype into lists of at most ``_BROADCAST_BUCKET_BYTES`` (or one tensor)."""
-    by_kind: dict[tuple[torch.device, torch.dtype], list[list[Tensor]]] = {}
-    for tensor in tensors:
-        buckets = by_kind.setdefault((tensor.device, tensor.dtype), [[]])
-        size = sum(t.numel() * t.element_size() for t in buckets[-1])
-        if buckets[-1] and size + tensor.numel() * tensor.element_size() > _BROADCAST_BUCKET_BYTES:
-            buckets.append([])
-        buckets[-1].append(tensor)
-    return [bucket for buckets in by_kind.values() for bucket in buckets if bucket]
 
 
 def _keep_transformer_encoders_off_nested_tensors(model: nn.Module) -> None:

@@ -9,7 +9,8 @@ divide or when one of its weights is shared with a module that would split it di
 automatic and model-plan units then stay replicated with a warning, user plan entries raise, because the user
 asked for exactly that split. Model-plan entries that pass a split activation to each other (a "colwise" layer
 feeding a "rowwise" one) split together or stay whole together, and so do their neighbours when an entry's style
-is one lightning_smp cannot honour.
+is one lightning_smp cannot honour. A layer wrapped by peft's adapters (LoRA) that the model's plan would split is
+refused: the adapter would need a split of its own, which is not built.
 """
 
 from __future__ import annotations
@@ -268,6 +269,17 @@ def _find_units(model: nn.Module, patterns: dict[str, str]) -> _Found:
             model_style, group = model_styles[name]
             if model_style == "replicate":
                 return
+            if hf_plan.is_adapter_layer(module):
+                # every layer's parent, not only this one's: the pattern a user puts in tensor_parallel_plan
+                parent = re.sub(r"(?<=\.)\d+(?=\.)", "*", name.rpartition(".")[0])
+                raise ValueError(
+                    f"LoRA under tensor parallelism is not supported: {name} is a {type(module).__module__}."
+                    f"{type(module).__qualname__}, peft's adapter around a layer the model's tensor-parallel plan "
+                    f"splits ({model_style!r}), and the adapter's low-rank product would need a split of its own. "
+                    "Train the adapters with pipeline_parallel_degree, sharded_data_parallel_degree or data "
+                    "parallelism (tensor_parallel_degree=1), or keep the wrapped layers whole: "
+                    f"tensor_parallel_plan={{{parent!r}: 'replicate'}}."
+                )
             target = _lookup_target(module, model_style) if model_style in hf_plan.HONOURED_STYLES else None
             if target is None:
                 refused.append((f"{name} ({type(module).__name__})", group, _unhonoured(module, model_style)))

@@ -1,0 +1,50 @@
+"""The one plan of who reduces gradients over the replicas, and the one bucketing rule (pure: no processes)."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from lightning_smp.config import SMPConfig
+from lightning_smp.reduction import buckets, plan_reduction
+
+
+def _topology(*, dp: int, pp: int = 1, device_type: str = "cpu") -> SimpleNamespace:
+    mesh = SimpleNamespace(device_type=device_type)
+    return SimpleNamespace(pp=pp, mesh=mesh, size=lambda axis: {"dp": dp, "pp": pp}[axis])
+
+
+@pytest.mark.parametrize(
+    ("settings", "dp", "pp", "mechanism"),
+    [
+        ({}, 1, 1, "none"),
+        ({}, 2, 1, "ddp"),
+        ({"pipeline_parallel_degree": 2}, 2, 2, "pipeline"),
+        ({"pipeline_parallel_degree": 2}, 1, 2, "none"),
+        ({"shard_optimizer_state": True}, 2, 1, "reduce_scatter"),
+        ({"shard_optimizer_state": True, "pipeline_parallel_degree": 2}, 2, 2, "reduce_scatter"),
+        ({"shard_optimizer_state": True}, 1, 1, "none"),
+        ({"sharded_data_parallel_degree": 2}, 2, 1, "fsdp2"),
+    ],
+)
+def test_one_mechanism_per_run(settings, dp, pp, mechanism):
+    plan = plan_reduction(SMPConfig(**settings), _topology(dp=dp, pp=pp))
+    assert plan.mechanism == mechanism
+    assert plan.replicas == dp
+    # exactly one of the four reduces, or none with one replica
+    owners = [plan.wraps_ddp, plan.engine_reduces, plan.shards_masters, plan.sharded_parameters]
+    assert sum(owners) == (mechanism != "none")
+    assert plan.syncs_replicas_at_setup == (mechanism in ("pipeline", "reduce_scatter"))
+    # ZeRO-1 takes its share from an all-reduce on gloo (CPU), a reduce-scatter on NCCL
+    assert plan.scatter_by_all_reduce == (mechanism == "reduce_scatter")
+    assert not plan_reduction(SMPConfig(**settings), _topology(dp=dp, pp=pp, device_type="cuda")).scatter_by_all_reduce
+
+
+def test_buckets_keep_order_per_dtype_and_cap_bytes():
+    a, b, c = torch.zeros(4), torch.zeros(4, dtype=torch.float16), torch.zeros(4)
+    d = torch.zeros(100)
+    assert [[id(t) for t in bucket] for bucket in buckets([a, b, c], max_bytes=32)] == [[id(a), id(c)], [id(b)]]
+    # a full bucket closes; a tensor larger than the cap is a bucket of its own
+    split = buckets([a, c, d, a], max_bytes=16)
+    assert [[t.numel() for t in bucket] for bucket in split] == [[4], [4], [100], [4]]
+    assert len(buckets([a, c, d], max_bytes=float("inf"))) == 1
