@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -33,6 +34,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_smp import SMPStrategy, smp
 
 VOCAB, D_MODEL, HEADS, FF, LAYERS, SEQ = 1024, 256, 8, 1024, 4, 16
+TP_DEGREES = (1, 2, 4)
 
 
 class _Gpt(pl.LightningModule):
@@ -105,7 +107,8 @@ class _Measure(Callback):
             Path(self.path).write_text(json.dumps(records))
 
 
-def _run_one(tp: int, path: str) -> None:
+def run_one(tp: int, path: str) -> None:
+    """One tp degree, in this process and the ranks Lightning launches from it; rank 0 writes the records."""
     torch.set_num_threads(1)
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -126,21 +129,20 @@ def _total(record: dict[str, int]) -> int:
     return sum(record.values())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, help="run one layout (internal)")
-    parser.add_argument("--json", help="where --tp writes its per-rank records")
-    args = parser.parse_args()
-    if args.tp is not None:
-        _run_one(args.tp, args.json)
-        return
+def measure() -> dict[int, list[dict[str, Any]]]:
+    """Every rank's records per tp degree, each degree in fresh processes (Lightning launches its ranks)."""
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for tp in (1, 2, 4):
+        for tp in TP_DEGREES:
             path = os.path.join(tmp, f"tp{tp}.json")
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             subprocess.run([sys.executable, __file__, "--tp", str(tp), "--json", path], check=True, env=env)
             results[tp] = json.loads(Path(path).read_text())
+    return results
+
+
+def report(results: dict[int, list[dict[str, Any]]]) -> None:
+    """Print the table and, per tp degree, the verdict against the 1/tp + 5% target."""
     single = results[1][0]
     print(
         f"GPT blocks: {LAYERS} x nn.TransformerEncoderLayer(d_model={D_MODEL}, nhead={HEADS}, "
@@ -161,6 +163,17 @@ def main() -> None:
         worst = max(_total(record["blocks"]) for record in records) / _total(single["blocks"])
         verdict = "meets" if worst <= 1 / tp + 0.05 else "MISSES"
         print(f"tp={tp}: largest per-rank block state is {worst:.4f} of one device; {verdict} the 1/tp + 5% target")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, help="run one layout (internal)")
+    parser.add_argument("--json", help="where --tp writes its per-rank records")
+    args = parser.parse_args()
+    if args.tp is not None:
+        run_one(args.tp, args.json)
+        return
+    report(measure())
 
 
 if __name__ == "__main__":

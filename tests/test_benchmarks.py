@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import tp_memory
 from benchmarks.pipeline_bench import PIPELINES
+from tests.distributed import run_distributed
 
 _REPO = Path(__file__).resolve().parents[1]
 
@@ -130,8 +132,20 @@ def test_activation_memory_reports_every_mode(tmp_path: Path) -> None:
     assert all(_positive(row["peak_mib"]) and _positive(row["ms_per_step"]) for row in rows)
 
 
-def test_tp_memory_reports_every_layout() -> None:
-    stdout = _run("tp_memory.py")
+def _tp_memory_in_rank(rank: int, tp: int, path: str) -> None:
+    tp_memory.run_one(tp, path)
+
+
+def test_tp_memory_reports_every_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The script's measurement and table, its ranks forked from the preloaded fork server (the script starts a
+    fresh interpreter per degree and per rank: ~12 s of imports each, eight in all)."""
+    results = {}
+    for tp in tp_memory.TP_DEGREES:
+        path = tmp_path / f"tp{tp}.json"
+        run_distributed(_tp_memory_in_rank, tp, tp, str(path), timeout=200)
+        results[tp] = json.loads(path.read_text())
+    tp_memory.report(results)
+    stdout = capsys.readouterr().out
     for tp in (1, 2, 4):
         assert f"tp={tp}: largest per-rank block state" in stdout
 
