@@ -1,5 +1,6 @@
 """The one launcher for multi-process tests: ``run_distributed`` starts the ranks, ``launch_once`` shares one launch
-between the tests that read it, ``init_gloo`` joins the ranks.
+between the tests that read it, ``init_gloo`` joins the ranks, ``run_benchmark`` runs a script of benchmarks/ as a
+user does.
 
 Each rank is a fresh process forked from a fork server that imported torch, Lightning, transformers and this
 package once per test session (``_PRELOAD``): a rank starts in a fraction of a second instead of spending ~10 s of
@@ -14,18 +15,22 @@ import multiprocessing
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_gloo", "launch_once", "run_distributed"]
+__all__ = ["init_gloo", "launch_once", "run_benchmark", "run_distributed"]
 
 # What the fork server imports before it forks the first rank (each is imported by nearly every rank's target).
 # Nothing here may start a thread: the server forks, and a fork copies only the forking thread.
@@ -36,6 +41,7 @@ _DRAIN_S = 2.0
 _EXIT_GRACE_S = 10.0
 # How long a rank whose target returned waits for the others at the closing barrier.
 _BARRIER_S = 5.0
+_REPO = Path(__file__).resolve().parents[1]
 
 
 def run_distributed(
@@ -106,6 +112,28 @@ def launch_once(target: Callable[..., Any], world_size: int, *args: Any, timeout
     if isinstance(outcome, BaseException):
         raise outcome
     return outcome
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 240) -> str:
+    """Run ``benchmarks/<script> ARGS`` in a fresh interpreter from the repository root; returns its stdout, fails
+    with its stderr's tail. Past the timeout the script's whole process group ends, the ranks it launched included,
+    so that they do not go on taking the cores of the tests that follow."""
+    with subprocess.Popen(
+        [sys.executable, str(_REPO / "benchmarks" / script), *args],
+        cwd=_REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            stdout, stderr = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            pytest.fail(f"{script} {' '.join(args)} ran past {timeout} s", pytrace=False)
+    assert process.returncode == 0, f"{script} failed:\n{stderr[-3000:]}"
+    return stdout
 
 
 def init_gloo() -> None:

@@ -4,40 +4,13 @@ judged here: docs/benchmarks.md holds the measured figures and the commands that
 import json
 import math
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from benchmarks import tp_memory
 from benchmarks.pipeline_bench import PIPELINES
-from tests.distributed import run_distributed
-
-_REPO = Path(__file__).resolve().parents[1]
-
-
-def _run(script: str, *args: str, timeout: float = 240) -> str:
-    """Run ``benchmarks/<script>`` in a fresh interpreter; returns its stdout, fails with its stderr's tail. Past the
-    timeout the script's whole process group ends, the ranks it launched included, so that they do not go on taking
-    the cores of the tests that follow."""
-    with subprocess.Popen(
-        [sys.executable, str(_REPO / "benchmarks" / script), *args],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            stdout, stderr = process.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.communicate()
-            pytest.fail(f"{script} {' '.join(args)} ran past {timeout} s", pytrace=False)
-    assert process.returncode == 0, f"{script} failed:\n{stderr[-3000:]}"
-    return stdout
+from tests.distributed import run_benchmark, run_distributed
 
 
 def _positive(value: float) -> bool:
@@ -54,7 +27,7 @@ def _assert_records_the_cores(result: dict) -> None:
 def test_pipeline_bench_reports_every_pipeline_against_the_ideal(tmp_path: Path) -> None:
     out = tmp_path / "pipeline.json"
     small = ("--width", "16", "--batch", "32", "--microbatches", "2", "--rounds", "1", "--steps", "2", "--warmup", "1")
-    _run("pipeline_bench.py", *small, "--out", str(out))
+    run_benchmark("pipeline_bench.py", *small, "--out", str(out))
     result = json.loads(out.read_text())
     _assert_records_the_cores(result)
     (row,) = result["rows"]
@@ -67,7 +40,7 @@ def test_pipeline_bench_reports_every_pipeline_against_the_ideal(tmp_path: Path)
 def test_pipeline_messages_reports_ours_and_torch_per_compute_time(tmp_path: Path) -> None:
     out = tmp_path / "messages.json"
     small = ("--width", "16", "--rows", "4", "--compute-us", "0,50", "--rounds", "1", "--steps", "2", "--warmup", "1")
-    _run("pipeline_messages.py", *small, "--out", str(out))
+    run_benchmark("pipeline_messages.py", *small, "--out", str(out))
     result = json.loads(out.read_text())
     _assert_records_the_cores(result)
     rows = result["rows"]
@@ -77,7 +50,7 @@ def test_pipeline_messages_reports_ours_and_torch_per_compute_time(tmp_path: Pat
 
 def test_pipeline_timeline_prints_both_ranks_actions_and_writes_a_trace_and_a_picture(tmp_path: Path) -> None:
     small = ("--width", "16", "--batch", "32", "--steps", "8", "--warmup", "2", "--show", "4")
-    stdout = _run(
+    stdout = run_benchmark(
         "pipeline_timeline.py", *small, "--trace", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")
     )
     for rank in (0, 1):
@@ -89,7 +62,7 @@ def test_pipeline_timeline_prints_both_ranks_actions_and_writes_a_trace_and_a_pi
 
 
 def test_pipeline_timeline_draws_the_weight_gradients_of_zero_bubble() -> None:
-    stdout = _run(
+    stdout = run_benchmark(
         "pipeline_timeline.py",
         *("--width", "16", "--batch", "32", "--steps", "8", "--warmup", "2", "--show", "4"),
         *("--pipeline", "zero_bubble", "--lane-width", "40"),
@@ -101,7 +74,7 @@ def test_pipeline_timeline_draws_the_weight_gradients_of_zero_bubble() -> None:
 
 def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:
     out = tmp_path / "precision.json"
-    _run(
+    run_benchmark(
         "precision_bench.py",
         "--size",
         "tiny",
@@ -126,7 +99,7 @@ def test_precision_bench_tiny_times_each_requested_mode(tmp_path: Path) -> None:
 def test_activation_memory_reports_every_mode(tmp_path: Path) -> None:
     out = tmp_path / "memory.json"
     small = ("--layers", "2", "--width", "32", "--block", "16", "--batch", "2", "--vocab", "64", "--steps", "2")
-    _run("activation_memory.py", *small, "--out", str(out))
+    run_benchmark("activation_memory.py", *small, "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [row["mode"] for row in rows] == ["plain", "checkpointed", "offloaded"]
     assert all(_positive(row["peak_mib"]) and _positive(row["ms_per_step"]) for row in rows)
@@ -154,7 +127,7 @@ def test_tp_memory_reports_every_layout(tmp_path: Path, capsys: pytest.CaptureFi
 def test_sequence_parallel_times_ours_and_torchs_plan_on_the_same_llama(tmp_path: Path) -> None:
     out = tmp_path / "time.json"
     smoke = ("--size", "smoke", "--steps", "1", "--repeats", "1")  # one launch of two ranks fits all four in turn
-    _run("sequence_parallel.py", "time", *smoke, "--out", str(out), timeout=600)
+    run_benchmark("sequence_parallel.py", "time", *smoke, "--out", str(out), timeout=600)
     rows = json.loads(out.read_text())["rows"]
     assert [row["layout"] for row in rows] == ["tp2", "tp2+sp", "torch-tp2", "torch-tp2+sp"]
     keys = ("step_seconds", "cpu_seconds", "of_ours_tp2", "cpu_of_ours_tp2")
@@ -164,7 +137,7 @@ def test_sequence_parallel_times_ours_and_torchs_plan_on_the_same_llama(tmp_path
 
 def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
-    _run("load_pretrained.py", "--size", "smoke", "--layouts", "tp2", "--out", str(out))
+    run_benchmark("load_pretrained.py", "--size", "smoke", "--layouts", "tp2", "--out", str(out))
     [row] = json.loads(out.read_text())["rows"]
     assert row["layout"] == "tp2" and len(row["ranks"]) == 2
     for rank in row["ranks"]:

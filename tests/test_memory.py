@@ -4,7 +4,7 @@ agreement with the bytes `benchmarks/memory_scale.py` and `benchmarks/sequence_p
 
 import argparse
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
@@ -17,9 +17,8 @@ from benchmarks import memory_scale, sequence_parallel
 from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
 from lightning_smp.activation_memory import SavedBytes
 from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
-from tests.distributed import run_distributed
+from tests.distributed import run_benchmark, run_distributed
 
-_REPO = Path(__file__).resolve().parents[1]
 VOCAB, WIDTH, HEADS, FF, LAYERS = 64, 16, 2, 32, 4
 
 
@@ -424,13 +423,9 @@ def _measured_and_planned(tmp_path: Path, layouts: str, heads: str = "untied,tie
 
 def test_the_script_measures_and_plans_a_layout(tmp_path):
     out = tmp_path / "memory_scale.json"
-    command = [sys.executable, str(_REPO / "benchmarks" / "memory_scale.py"), "--size", "smoke"]
-    command += ["--layouts", "1", "--heads", "untied", "--out", str(out)]
-    try:
-        done = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=280)
-    except subprocess.TimeoutExpired:
-        pytest.fail("benchmarks/memory_scale.py --size smoke ran past 280 s", pytrace=False)
-    assert done.returncode == 0, f"memory_scale.py failed:\n{done.stderr[-3000:]}"
+    run_benchmark(
+        "memory_scale.py", "--size", "smoke", "--layouts", "1", "--heads", "untied", "--out", str(out), timeout=280
+    )
     (row,) = json.loads(out.read_text())["rows"]
     assert (row["layout"], row["head"], len(row["ranks"])) == ("1", "untied", 1)
     _assert_planned_within_10_percent([row])
@@ -489,7 +484,7 @@ def _sequence_parallel_benchmark(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     of fresh interpreters (~12 s of imports each; tests/test_benchmarks.py runs the script itself)."""
 
     def launch(model, layouts, args, tmp, *, checkpointing=False):
-        path = str(tmp_path / f"{model}.json")
+        path = os.path.join(tmp, f"{model}.json")
         in_ranks = argparse.Namespace(**{**vars(args), "checkpointing": checkpointing})
         world = sequence_parallel.devices(layouts[0])
         run_distributed(_fit_layouts_in_rank, world, model, layouts, path, in_ranks, timeout=300)
