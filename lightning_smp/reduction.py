@@ -30,8 +30,10 @@ __all__ = ["BUCKET_BYTES", "Mechanism", "ReductionPlan", "all_reduce_", "buckets
 
 Mechanism = Literal["none", "ddp", "pipeline", "reduce_scatter", "fsdp2"]
 
-BUCKET_BYTES = 64 * 2**20
-"""The size of one coalesced collective's flat buffer (a tensor larger than this is a bucket of its own)."""
+BUCKET_BYTES = 25 * 2**20
+"""The size of one coalesced collective's flat buffer (a tensor larger than this is a bucket of its own): DDP's
+default ``bucket_cap_mb=25``, small enough that the first buckets' collectives start while backward still runs
+(`overlap.ReadyBuckets`), large enough that a collective's fixed cost is paid rarely."""
 
 
 @dataclass(frozen=True)
