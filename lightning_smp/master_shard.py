@@ -5,14 +5,16 @@ get into the master grads — a copy, or a reduce-scatter over the data-parallel
 layout, in `sharded_data_parallel.py`, reduce their own), how updated masters get back into the model (a copy, or an
 all-gather), which grads count in the global norm, and the translation between what the inner optimizer updates and
 whole model parameters (checkpoints). Not owned: the order of an update and which parameters are trained
-(`optimizer.py`), the overflow vote and the norm's reduction (`grad_vote.py`).
-Sharded, as smp did: one flat buffer per parameter dtype, padded to a multiple of dp; each replica owns a
-contiguous share of it, and the inner optimizer sees one 1-D piece per parameter that overlaps that share
-(Megatron's "shard main params"), so param groups, LR schedulers and element-wise optimizers work unchanged;
-optimizers that read a parameter's shape (Adafactor, Shampoo) do not. Megatron's distributed optimizer adds to this
-buckets of ~40M elements, each reduce-scattered by grad-ready hooks while backward still runs and all-gathered
-while the next forward runs; here the reduce-scatter and all-gather run whole, after backward and after the step.
-"""
+(`optimizer.py`), the overflow vote and the norm's reduction (`grad_vote.py`), when a bucket's collective starts
+(`overlap.ReadyBuckets`), which backward is the last before a step (the strategy).
+Sharded, as smp did and as Megatron's distributed optimizer does: the parameters laid out flat in buckets of at most
+`reduction.BUCKET_BYTES` (one dtype each, the parameters in reverse order so that the first buckets are the first
+whose gradients are final in backward), each padded to a multiple of dp; each replica owns a contiguous share of
+every bucket, and the inner optimizer sees one 1-D piece per parameter that overlaps a share (Megatron's "shard main
+params"), so param groups, LR schedulers and element-wise optimizers work unchanged; optimizers that read a
+parameter's shape (Adafactor, Shampoo) do not. Megatron reduce-scatters each bucket from grad-ready hooks while
+backward still runs and all-gathers while the next forward runs; here the reduce-scatter runs after backward and the
+all-gather after the step, bucket by bucket."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from torch import Tensor, nn
 
 from lightning_smp._compat import foreach_copy_, foreach_zero_
 from lightning_smp.grad_vote import Counted, norm_copies
-from lightning_smp.reduction import buckets
+from lightning_smp.reduction import BUCKET_BYTES, buckets
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -231,7 +233,7 @@ class WholeMasters:
 
 @dataclass
 class _Bucket:
-    """The parameters of one dtype, laid out flat and padded to a multiple of dp; this rank owns [lo, lo+share)."""
+    """Parameters of one dtype, laid out flat and padded to a multiple of dp; this rank owns [lo, lo+share)."""
 
     params: list[Tensor]
     dtype: torch.dtype
@@ -254,18 +256,26 @@ class _Piece:
 
 
 class ShardedMasters:
-    """This data-parallel rank's contiguous share of the flat fp32 masters of every parameter (ZeRO-1).
+    """This data-parallel rank's contiguous share of each bucket of the flat fp32 masters (ZeRO-1).
 
     Args:
         params: every parameter the optimizer updates, in its param groups' order.
         run: the running job, whose data-parallel replicas hold the same parameters.
         scatter_by_all_reduce: take this replica's share from a whole all-reduce (gloo, whose reduce-scatter is
             slower than its all-reduce: `ReductionPlan.scatter_by_all_reduce`).
+        bucket_bytes: the most bytes of parameters in one bucket (a larger parameter is a bucket of its own).
     """
 
     replicated = False
 
-    def __init__(self, params: Sequence[Tensor], run: Run, *, scatter_by_all_reduce: bool = False) -> None:
+    def __init__(
+        self,
+        params: Sequence[Tensor],
+        run: Run,
+        *,
+        scatter_by_all_reduce: bool = False,
+        bucket_bytes: float = BUCKET_BYTES,
+    ) -> None:
         self.params = list(params)
         self._run = run
         self._scatter_by_all_reduce = scatter_by_all_reduce
@@ -275,7 +285,7 @@ class ShardedMasters:
         rank = dist.get_rank(group)
         self._buckets: list[_Bucket] = []
         self._pieces: list[_Piece] = []
-        for same in buckets(self.params, max_bytes=math.inf):  # one per dtype
+        for same in _backward_ordered_buckets(self.params, bucket_bytes):
             dtype = same[0].dtype
             total = sum(p.numel() for p in same)
             share = max(1, math.ceil(total / self._replicas))
@@ -419,6 +429,15 @@ def single_device(params: Sequence[Tensor]) -> torch.device:
             "one device. Move the model to one device before building the optimizer."
         )
     return devices.pop() if devices else torch.device("cpu")
+
+
+def _backward_ordered_buckets(params: Sequence[Tensor], max_bytes: float) -> list[list[Tensor]]:
+    """``params`` in `reduction.buckets` of at most ``max_bytes``, taken in reverse (forward uses the parameters
+    roughly in their order, so backward finishes the last ones first), the buckets ordered by when their last
+    parameter is reached in that reverse order: bucket 0 is the first whose gradients are all final."""
+    backward = list(reversed(params))
+    position = {id(p): i for i, p in enumerate(backward)}
+    return sorted(buckets(backward, max_bytes=max_bytes), key=lambda bucket: max(position[id(p)] for p in bucket))
 
 
 def _offsets(params: Sequence[Tensor]) -> list[int]:

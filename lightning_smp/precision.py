@@ -253,7 +253,11 @@ class SMPPrecision(Precision):
         if self.reduction.sharded_parameters:
             return FSDPMasters
         if self.reduction.shards_masters:
-            return functools.partial(ShardedMasters, scatter_by_all_reduce=self.reduction.scatter_by_all_reduce)
+            return functools.partial(
+                ShardedMasters,
+                scatter_by_all_reduce=self.reduction.scatter_by_all_reduce,
+                bucket_bytes=self.reduction.bucket_bytes,
+            )
         return WholeMasters
 
     def _wraps(self) -> bool:
