@@ -12,14 +12,18 @@ Sharded, as smp did and as Megatron's distributed optimizer does: the parameters
 whose gradients are final in backward), each padded to a multiple of dp; each replica owns a contiguous share of
 every bucket, and the inner optimizer sees one 1-D piece per parameter that overlaps a share (Megatron's "shard main
 params"), so param groups, LR schedulers and element-wise optimizers work unchanged; optimizers that read a
-parameter's shape (Adafactor, Shampoo) do not. Megatron reduce-scatters each bucket from grad-ready hooks while
-backward still runs and all-gathers while the next forward runs; here the reduce-scatter runs after backward and the
-all-gather after the step, bucket by bucket."""
+parameter's shape (Adafactor, Shampoo) do not. A bucket's reduce-scatter starts during the last backward before a
+step, as soon as its gradients are final (`ShardedMasters.reduce_during_backward`, armed by the strategy; not under
+pipeline parallelism, whose engine holds the grads aside during its schedule: there, and wherever nothing armed
+it, every bucket is reduced in the step). The updated shares are all-gathered after the step, bucket by bucket;
+Megatron overlaps that with the next forward, which is not done here."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,9 +33,12 @@ from torch import Tensor, nn
 
 from lightning_smp._compat import foreach_copy_, foreach_zero_
 from lightning_smp.grad_vote import Counted, norm_copies
+from lightning_smp.overlap import Launched, ReadyBuckets
 from lightning_smp.reduction import BUCKET_BYTES, buckets
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from lightning_smp.topology import Topology
 
 __all__ = ["HALF_DTYPES", "FlatPiece", "Masters", "Run", "ShardedMasters", "WholeMasters", "single_device"]
@@ -64,6 +71,10 @@ class Masters(Protocol):
     def take_grads(self) -> None:
         """The gradient intake: make the model's latest grads (still loss-scaled) the master grads `grads` returns,
         reduced over the data-parallel replicas where the masters are sharded. Collective where it reduces."""
+
+    def reduce_during_backward(self) -> AbstractContextManager[None]:
+        """Around the last backward before `take_grads`: where `take_grads` reduces over the replicas, start the
+        reduction of each bucket whose grads are final while the backward still runs (elsewhere: nothing)."""
 
     def grads(self) -> list[Tensor]:
         """The fp32 grads the update reads (unscaled, clipped in place)."""
@@ -172,6 +183,9 @@ class WholeMasters:
                 foreach_copy_([view for view, _ in present], [grad for _, grad in present])
         elif half_grads:
             foreach_copy_(self._grad_views, half_grads)
+
+    def reduce_during_backward(self) -> AbstractContextManager[None]:
+        return nullcontext()  # the grads arrive reduced (DDP, the pipeline engine): nothing to overlap here
 
     def finite_check_grads(self) -> list[Tensor] | None:
         """The half grads (half the bytes of their fp32 copies) and the fp32 params' grads, when every half
@@ -304,6 +318,7 @@ class ShardedMasters:
                     piece.copy_(param.detach().reshape(-1)[start:end])
                 self._pieces.append(_Piece(param, bucket, start, end, at, piece))
         self._counts = [norm_copies(piece.param) > 0 for piece in self._pieces]
+        self._reduction: ReadyBuckets | None = None  # this step's, started by an armed backward
 
     def optimized(self) -> dict[int, Tensor]:
         """id(model parameter) → its piece in this rank's share; parameters wholly in other shares are absent."""
@@ -313,25 +328,49 @@ class ShardedMasters:
         return [piece.master for piece in self._pieces]
 
     def take_grads(self) -> None:
-        """Average the model's grads over the replicas, each keeping its share (reduce-scatter, or an all-reduce
-        where that is faster; in the grads' dtype as DDP's all-reduce is; divided first, as DDP averages), into the
-        fp32 grad share. A parameter with no
-        grad contributes zeros (its state still advances, unlike an unsharded step)."""
-        for bucket in self._buckets:
-            flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.grad.device)
-            views = _views(flat, bucket.params)
-            present = [(view, p.grad) for view, p in zip(views, bucket.params, strict=True) if p.grad is not None]
-            if present:
-                foreach_copy_([view for view, _ in present], [grad for _, grad in present])
-            flat.div_(self._replicas)
-            if self._scatter_by_all_reduce:
-                dist.all_reduce(flat, group=self._group())
-                bucket.grad.copy_(flat[bucket.lo : bucket.lo + bucket.grad.numel()])
-                continue
-            share = bucket.grad if bucket.dtype == torch.float32 else torch.empty_like(bucket.grad, dtype=bucket.dtype)
-            dist.reduce_scatter_tensor(share, flat, group=self._group())
-            if share is not bucket.grad:
-                bucket.grad.copy_(share)
+        """Average the model's grads over the replicas, each keeping its share of every bucket (reduce-scatter, or an
+        all-reduce where that is faster; in the grads' dtype as DDP's all-reduce is; divided first, as DDP averages),
+        into the fp32 grad share: wait for the buckets an armed backward started (`reduce_during_backward`), start
+        the others now. A parameter with no grad contributes zeros (its state still advances, unlike an unsharded
+        step)."""
+        reduction, self._reduction = self._reduction or self._ready_buckets(), None
+        reduction.finish()
+
+    @contextmanager
+    def reduce_during_backward(self) -> Generator[None, None, None]:
+        """While the body runs (the last backward before `take_grads`, the same on every replica), each bucket's
+        reduction starts once its parameters' grads are final, in bucket order (`overlap.ReadyBuckets`); `take_grads`
+        waits for them. A reduction started by an earlier armed backward that no step took is finished first, so
+        that every collective is waited for once."""
+        if self._reduction is not None:
+            self._reduction.finish()
+        self._reduction = self._ready_buckets()
+        with self._reduction.armed():
+            yield
+
+    def _ready_buckets(self) -> ReadyBuckets:
+        return ReadyBuckets([bucket.params for bucket in self._buckets], self._launch)
+
+    @torch.no_grad()
+    def _launch(self, index: int) -> Launched:
+        """Start bucket ``index``'s reduction on its parameters' grads as they are now."""
+        bucket = self._buckets[index]
+        flat = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.grad.device)
+        views = _views(flat, bucket.params)
+        present = [(view, p.grad) for view, p in zip(views, bucket.params, strict=True) if p.grad is not None]
+        if present:
+            foreach_copy_([view for view, _ in present], [grad for _, grad in present])
+        flat.div_(self._replicas)
+        if self._scatter_by_all_reduce:
+            work = dist.all_reduce(flat, group=self._group(), async_op=True)
+            own = flat[bucket.lo : bucket.lo + bucket.grad.numel()]
+            return Launched(work, functools.partial(bucket.grad.copy_, own))
+        if bucket.dtype == torch.float32:  # reduce-scattered into the grad share in place
+            work = dist.reduce_scatter_tensor(bucket.grad, flat, group=self._group(), async_op=True)
+            return Launched(work, _nothing)
+        share = torch.empty_like(bucket.grad, dtype=bucket.dtype)
+        work = dist.reduce_scatter_tensor(share, flat, group=self._group(), async_op=True)
+        return Launched(work, functools.partial(bucket.grad.copy_, share))
 
     def finite_check_grads(self) -> None:
         return None  # the grads are this rank's share only after a reduce-scatter: no fused fast path
@@ -438,6 +477,10 @@ def _backward_ordered_buckets(params: Sequence[Tensor], max_bytes: float) -> lis
     backward = list(reversed(params))
     position = {id(p): i for i, p in enumerate(backward)}
     return sorted(buckets(backward, max_bytes=max_bytes), key=lambda bucket: max(position[id(p)] for p in bucket))
+
+
+def _nothing() -> None:
+    """What completes a reduction that wrote its result in place."""
 
 
 def _offsets(params: Sequence[Tensor]) -> list[int]:

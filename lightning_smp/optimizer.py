@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -171,6 +172,13 @@ class MasterWeightOptimizer(Optimizer):
     def note_backward(self) -> None:
         """The half-precision grads changed (a backward ran): the next unscale must read them again."""
         self._step_state.grads_read = False
+
+    def reduce_during_backward(self) -> AbstractContextManager[None]:
+        """A context for the last backward before ``step``: where the masters reduce the grads over the replicas
+        themselves (ZeRO-1), each bucket's reduction starts as soon as that backward makes its grads final, and
+        ``step`` waits for it; elsewhere nothing. Every replica must run the same backwards armed (the strategy arms
+        the one before each step of automatic optimization)."""
+        return self._masters.reduce_during_backward()
 
     def unscale_grads(self) -> None:
         """Take the model's grads into the fp32 master grads, unscale them and decide overflow for the whole job.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -124,6 +125,9 @@ class FSDPMasters:
 
     def take_grads(self) -> None:
         """Nothing to take: FSDP2 reduce-scattered the grads into the shards during backward."""
+
+    def reduce_during_backward(self) -> AbstractContextManager[None]:
+        return nullcontext()  # FSDP2 overlaps its own reduce-scatter with backward
 
     def grads(self) -> list[Tensor]:
         return [p.grad.to_local() for p in self.params if p.grad is not None]

@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from os import PathLike
 from pathlib import Path
@@ -56,6 +56,7 @@ from lightning_smp._compat import (
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
 from lightning_smp.materialization import has_meta_tensors
+from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine
 from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
@@ -403,13 +404,24 @@ class SMPStrategy(DDPStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._reduce_during_backward(optimizer):
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran every microbatch's backward inside training_step (as DeepSpeed's engine does); the
         # gradients it kept aside join `.grad` here, after Lightning's zero_grad, and are all-reduced.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._pipeline.finish_backward(sync=not self._grad_sync_blocked)
         return self.precision_plugin.post_backward(closure_loss, module)
+
+    def _reduce_during_backward(self, optimizer: Any) -> AbstractContextManager[None]:
+        """ZeRO-1's reduce-scatter overlapped with the backward before a step: armed where that backward is the last
+        before the optimizer takes the grads on every replica alike (automatic optimization, whose loop hands
+        ``backward`` the optimizer itself, and not a micro-step Lightning's gradient accumulation blocks). Not under
+        pipeline parallelism: the engine holds the grads aside during its schedule; its step reduces them whole."""
+        last = not self._grad_sync_blocked and self.lightning_module.automatic_optimization
+        if last and isinstance(optimizer, MasterWeightOptimizer):
+            return optimizer.reduce_during_backward()
+        return nullcontext()
 
     @override
     def on_train_end(self) -> None:
@@ -422,13 +434,14 @@ class SMPStrategy(DDPStrategy):
     @contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        if self._pipeline is None:
-            with super().block_backward_sync():
-                yield
-            return
-        self._grad_sync_blocked = True  # accumulating: the pipeline engine all-reduces at the last micro-step
+        # accumulating: DDP, the pipeline engine and ZeRO-1 reduce at the last micro-step
+        self._grad_sync_blocked = True
         try:
-            yield
+            if self._pipeline is None:
+                with super().block_backward_sync():
+                    yield
+            else:
+                yield
         finally:
             self._grad_sync_blocked = False
 
