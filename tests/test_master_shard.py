@@ -3,25 +3,34 @@
 Every layout runs twice in one launch, sharded and not, on the same data: losses, skipped steps and the global
 gradient norm must agree (fp32 to 1e-5, fp16 to 2e-2); the sharded rank must hold about half the masters and
 optimizer state, and hand a checkpoint only its share; and a sharded checkpoint must resume unsharded, at another
-dp degree, and consolidate.
+dp degree, and consolidate. The reduction in several buckets (a small cap, and a stock model past the default cap)
+matches the single-device run, starts during the backward before a step and never during an accumulation
+micro-step, and every collective it starts is waited for in its step.
 """
 
+import dataclasses
 import math
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
 from lightning_smp import SMPStrategy
+from lightning_smp import strategy as strategy_module
 from lightning_smp.checkpoint import consolidate_checkpoint, model_state_dict, optimizer_state_dict
 from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.master_shard import FlatPiece
 from lightning_smp.optimizer import MasterWeightOptimizer
 from tests.distributed import run_distributed
+from tests.gpt import TinyLlama
 from tests.models import TinyRegressor, quiet_trainer
+from tests.parity import FP32_REL, mean_losses, single_device_run
 
 STEPS = 12
 SAVED_AT = 4  # the first epoch's end: 64 samples, 2 replicas x 8 (or 1 x 16) per step
@@ -30,6 +39,7 @@ FP16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**17}}  # the first
 SHARD = {"shard_optimizer_state": True}
 TP2 = {"tensor_parallel_degree": 2, "tensor_parallel_plan": {"net.0": "colwise", "net.2": "rowwise"}}
 PP2 = {"pipeline_parallel_degree": 2, "microbatches": 2}
+LLAMA_STEPS = 4
 
 
 class _Record(Callback):
@@ -51,6 +61,66 @@ class _Record(Callback):
         self.norms.append(norm.item())
 
 
+class _Launches(Callback):
+    """Per training batch, the asynchronous all-reduces started (ZeRO-1's buckets on gloo; nothing else here starts
+    one), those waited for, and how many had started when the backward computed the gradient of ``first`` (the
+    model's first weight, the last gradient of a backward: None where no backward reached it, or this rank does
+    not hold it)."""
+
+    def __init__(self, first) -> None:
+        self.first, self.batches = first, []
+        self.launched = self.waited = 0
+
+    @contextmanager
+    def counting(self):
+        all_reduce, record = dist.all_reduce, self
+
+        class Counted:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, *args, **kwargs):
+                record.waited += 1
+                return self.work.wait(*args, **kwargs)
+
+        def counted_all_reduce(tensor, *args, async_op=False, **kwargs):
+            work = all_reduce(tensor, *args, async_op=async_op, **kwargs)
+            if not async_op:
+                return work
+            record.launched += 1
+            return Counted(work)
+
+        with mock.patch.object(dist, "all_reduce", counted_all_reduce):
+            yield
+
+    def on_train_start(self, trainer, pl_module):
+        first = self.first(pl_module)
+        if first is not None:  # None: a later pipeline stage
+            first.register_hook(lambda grad: self.batches[-1].update(at_first_weight=self.launched))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.launched = self.waited = 0
+        self.batches.append({"at_first_weight": None})
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches[-1].update(launched=self.launched, waited=self.waited)
+
+
+@contextmanager
+def _bucket_cap(max_bytes: int | None):
+    """The run's gradient buckets hold at most ``max_bytes`` (None: the default, `reduction.BUCKET_BYTES`)."""
+    if max_bytes is None:
+        yield
+        return
+    plan = strategy_module.plan_reduction
+
+    def capped(config, topology):
+        return dataclasses.replace(plan(config, topology), bucket_bytes=max_bytes)
+
+    with mock.patch.object(strategy_module, "plan_reduction", capped):
+        yield
+
+
 def _state_bytes(optimizer: MasterWeightOptimizer) -> int:
     """Exact bytes of the fp32 masters and the optimizer state this rank holds (each storage once)."""
     tensors = optimizer.master_params() + [
@@ -68,13 +138,24 @@ def _checkpoint_bytes(trainer) -> int:
     return sum(t.numel() * t.element_size() for t in held if isinstance(t, Tensor))
 
 
+def _regressor(batch_size: int = PER_RANK_BATCH) -> TinyRegressor:
+    return TinyRegressor(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=64, batch_size=batch_size)
+
+
 def _fit(
-    strategy_kwargs: dict, *, batch_size: int = PER_RANK_BATCH, dirpath=None, ckpt_path=None, accumulate: int = 1
+    strategy_kwargs: dict,
+    *,
+    batch_size: int = PER_RANK_BATCH,
+    dirpath=None,
+    ckpt_path=None,
+    accumulate: int = 1,
+    bucket_bytes: int | None = None,
 ) -> dict:
     torch.manual_seed(0)
-    model = TinyRegressor(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=64, batch_size=batch_size)
+    model = _regressor(batch_size)
     record = _Record()
-    callbacks = [record]
+    launches = _Launches(lambda module: getattr(module.net[0], "weight", None))
+    callbacks = [record, launches]
     if dirpath is not None:
         callbacks.append(ModelCheckpoint(dirpath=dirpath, save_top_k=-1))
     trainer = quiet_trainer(
@@ -86,10 +167,12 @@ def _fit(
         callbacks=callbacks,
         enable_checkpointing=dirpath is not None,
     )
-    trainer.fit(model, ckpt_path=ckpt_path)
+    with _bucket_cap(bucket_bytes), launches.counting():
+        trainer.fit(model, ckpt_path=ckpt_path)
     optimizer = trainer.strategy.optimizers[0]
     wrapped = isinstance(optimizer, MasterWeightOptimizer)
     return {
+        "launches": launches.batches,
         "losses": record.losses,
         "norms": record.norms,
         "skipped": optimizer.skipped_steps.item() if wrapped else None,
@@ -97,6 +180,31 @@ def _fit(
         "checkpoint_bytes": _checkpoint_bytes(trainer),
         "state_dict_error": _error_of(optimizer.state_dict),
     }
+
+
+def _llama() -> TinyLlama:
+    """A stock Llama whose fp32 parameters (8.4M, mostly a 131072-token embedding and head) fill two buckets of the
+    default 25 MiB."""
+    model = TinyLlama(vocab_size=131072, hidden_size=32)
+    model.configure_model()
+    return model
+
+
+def _llama_loss(model, batch, step):
+    return model.loss(batch)
+
+
+def _fit_llama() -> dict:
+    record, launches = _Record(), _Launches(lambda module: module.model.model.embed_tokens.weight)
+    trainer = quiet_trainer(SMPStrategy(**SHARD), devices=2, max_steps=LLAMA_STEPS, callbacks=[record, launches])
+    with launches.counting():
+        trainer.fit(_llama())
+    return {"losses": record.losses, "launches": launches.batches}
+
+
+def _regressor_loss(model, batch, step):
+    x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y)
 
 
 def _error_of(function) -> str | None:
@@ -117,6 +225,10 @@ def _dp2_job(rank: int, root: str) -> dict:
     for name, precision in (("fp32", {}), ("fp16", FP16)):  # two batches per optimizer step
         results[f"{name}_accumulated"] = _fit(precision, accumulate=2)
         results[f"{name}_accumulated_sharded"] = _fit({**precision, **SHARD}, accumulate=2)
+    # several buckets: a cap of 32 bytes puts each of the four parameters in a bucket of its own, fp32 or fp16
+    results["fp32_sharded_buckets"] = _fit(SHARD, bucket_bytes=32)
+    results["fp16_accumulated_sharded_buckets"] = _fit({**FP16, **SHARD}, accumulate=2, bucket_bytes=32)
+    results["llama_sharded"] = _fit_llama()
     saved = root / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
     results["resumed_unsharded"] = _fit(FP16, ckpt_path=saved)
     results["resumed_sharded"] = _fit({**FP16, **SHARD}, ckpt_path=saved)
@@ -185,6 +297,39 @@ def test_dp2_sharded_accumulates_gradients_as_the_unsharded_run(dp2, name, rel):
         plain = rank[f"{name}_accumulated"]
         assert len(plain["norms"]) == STEPS // 2  # the 12 batches made 6 optimizer steps
         _assert_same_run(rank[f"{name}_accumulated_sharded"], plain, rel)
+
+
+@pytest.mark.timeout(600)
+def test_dp2_sharded_in_several_buckets_matches_one_device_and_reduces_during_the_backward_before_each_step(dp2):
+    reference = single_device_run(_regressor, _regressor_loss, steps=STEPS, replicas=2, clip_norm=0.1)
+    run = [rank["fp32_sharded_buckets"] for rank in dp2]
+    assert mean_losses(run, steps=STEPS) == pytest.approx(reference["losses"], rel=FP32_REL)
+    for rank in run:
+        for batch in rank["launches"]:
+            assert batch["launched"] == batch["waited"] == 4  # one collective per bucket, each waited for
+            assert batch["at_first_weight"] >= 1  # started before the backward's last gradient
+
+
+@pytest.mark.timeout(600)
+def test_a_stock_model_past_the_default_bucket_cap_matches_one_device_and_reduces_during_backward(dp2):
+    reference = single_device_run(_llama, _llama_loss, steps=LLAMA_STEPS, replicas=2)
+    run = [rank["llama_sharded"] for rank in dp2]
+    assert mean_losses(run, steps=LLAMA_STEPS) == pytest.approx(reference["losses"], rel=FP32_REL)
+    for rank in run:
+        for batch in rank["launches"]:
+            assert batch["launched"] == batch["waited"] == 2
+            assert batch["at_first_weight"] >= 1
+
+
+@pytest.mark.timeout(600)
+def test_nothing_is_reduced_during_an_accumulation_micro_step_and_every_reduction_is_waited_for(dp2):
+    for rank in dp2:
+        run, plain = rank["fp16_accumulated_sharded_buckets"], rank["fp16_accumulated"]
+        _assert_same_run(run, plain, 2e-2)
+        assert run["skipped"] >= 1  # skipped steps take the grads too: their reductions are waited for
+        micro_steps, steps = run["launches"][0::2], run["launches"][1::2]
+        assert all(batch["launched"] == batch["waited"] == 0 for batch in micro_steps)
+        assert all(batch["launched"] == batch["waited"] == 4 and batch["at_first_weight"] >= 1 for batch in steps)
 
 
 @pytest.mark.timeout(600)
