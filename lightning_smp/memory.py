@@ -53,8 +53,9 @@ _OPTIMIZER_STATES = 2  # Adam/AdamW: exp_avg and exp_avg_sq, in the dtype of wha
 _MASTER_BYTES = 4  # fp32
 _SHARDED_ASSUMPTION = (
     "shard_optimizer_state: each replica keeps 1/dp of the fp32 masters, their gradients and the optimizer state of "
-    "every trained parameter (fp32 ones too), padded per dtype; a step adds one flat buffer of the stage's "
-    "parameters in their dtype (the reduce-scatter's, then the all-gather's); saving a checkpoint gathers whole fp32 "
+    "every trained parameter (fp32 ones too), padded per bucket; a step adds flat buffers of the stage's gradients "
+    "in their dtype (every bucket's reduce-scatter at once: they start during backward), then one bucket's "
+    "all-gather at a time; saving a checkpoint gathers whole fp32 "
     "masters and optimizer state for a moment (not counted)"
 )
 _SDP_ASSUMPTION = (
@@ -495,8 +496,9 @@ def _sharded_data_parallel(
 
 
 def _sharded_masters(trained_by_size: Mapping[int, int], dp: int) -> dict[str, int]:
-    """A replica's share under ``shard_optimizer_state``: one flat fp32 buffer per parameter dtype, padded to a
-    multiple of dp, of masters, of their gradients and of each optimizer state (``ShardedMasters``)."""
+    """A replica's share under ``shard_optimizer_state``: 1/dp of the fp32 masters, of their gradients and of each
+    optimizer state, per parameter dtype (``ShardedMasters`` pads each bucket to a multiple of dp: at most dp - 1
+    elements more per bucket, not counted)."""
     share = sum(max(1, -(-elements // dp)) for elements in trained_by_size.values())
     return {
         "masters": share * _MASTER_BYTES,
@@ -506,13 +508,14 @@ def _sharded_masters(trained_by_size: Mapping[int, int], dp: int) -> dict[str, i
 
 
 def _sharded_step_buffer(trained_by_size: Mapping[int, int], dp: int) -> int:
-    """The most a sharded step holds at once besides the model states: per dtype, one after another, the padded flat
-    gradients (reduce-scatter) or parameters (all-gather) plus, for 16-bit ones, the share cast to their dtype."""
-    largest = 0
+    """The most a sharded step holds at once besides the model states: the reduce-scatter's padded flat gradients of
+    every bucket (they start during backward and are waited for together) plus, for 16-bit ones, the share in their
+    dtype; the all-gather after the step holds one bucket at a time, less."""
+    total = 0
     for size, elements in trained_by_size.items():
         share = max(1, -(-elements // dp))
-        largest = max(largest, size * (share * dp + (share if size != _MASTER_BYTES else 0)))
-    return largest
+        total += size * (share * dp + (share if size != _MASTER_BYTES else 0))
+    return total
 
 
 def _named_parameters(model: nn.Module) -> dict[int, tuple[nn.Parameter, list[str]]]:
