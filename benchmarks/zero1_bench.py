@@ -9,16 +9,22 @@ seconds per training step:
 - ``smp_dp``: a real ``Trainer.fit`` with ``SMPStrategy()`` on two ranks (data parallelism: DDP's bucketed
   all-reduce, overlapped with backward), Lightning's loop and hooks included; timed from one
   ``on_train_batch_start`` to the next;
-- ``smp_zero1``: the same with ``SMPStrategy(shard_optimizer_state=True)``: gradients reduce-scattered after the
-  backward, each rank updating its half of the parameters, the updated halves all-gathered;
+- ``smp_zero1``: the same with ``SMPStrategy(shard_optimizer_state=True)``: gradients reduce-scattered in
+  buckets of 25 MiB, each bucket's started during the backward once its gradients are final (on gloo: all-reduced,
+  each rank keeping its share), each rank updating its half of the parameters, the updated halves all-gathered;
+  the default model is one bucket (8.4 MB), so the reduction can only start when backward ends; ``--width 1024
+  --batch 64`` makes two buckets (33.6 MB) and a step where communication weighs more;
 - ``torch_ddp`` / ``torch_zero``: a plain loop (no Lightning) over the same model in ``DistributedDataParallel``,
   with ``torch.optim.AdamW`` / with ``ZeroRedundancyOptimizer(optimizer_class=AdamW)`` (DDP's all-reduce, then each
   rank updates its share of the parameters and broadcasts it).
 
 Each is the median step time over ``--steps`` steps after ``--warmup``, the best of ``--rounds`` rounds (rounds
 run the kinds in turn, so drift of a shared machine hits them alike); a step ends when the slower rank's does.
-Printed: step times and the two ratios ``smp_zero1 / smp_dp`` and ``torch_zero / torch_ddp``. ``--out`` writes
-the JSON (with the machine, command and date).
+For the two ``smp`` kinds also the CPU seconds per step (``time.process_time`` of each rank's process, gloo's
+threads included; the median step, the larger rank, the best round): on a machine other jobs share, wall time
+measures them too, CPU time only the work (overlap hides communication in wall time and saves no CPU).
+Printed: step times and the ratios ``smp_zero1 / smp_dp`` (wall and CPU) and ``torch_zero / torch_ddp``.
+``--out`` writes the JSON (with the machine, command and date).
 
     python benchmarks/zero1_bench.py --out zero1_bench.json
 """
@@ -28,7 +34,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
+import time
 from typing import Any
 
 import torch
@@ -42,6 +50,8 @@ except ImportError:  # run as `python benchmarks/zero1_bench.py`
 RANKS = 2
 KINDS = ("smp_dp", "smp_zero1", "torch_ddp", "torch_zero")
 """What each round times (see the module docstring)."""
+CPU_KINDS = ("smp_dp_cpu", "smp_zero1_cpu")
+"""The CPU seconds per step of the two ``smp`` kinds."""
 
 
 def _adamw(params: Any) -> torch.optim.Optimizer:
@@ -53,9 +63,30 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
 
     result = {}
     for name, shard in (("smp_dp", False), ("smp_zero1", True)):
-        strategy = SMPStrategy(shard_optimizer_state=shard)
-        result[name] = bench.timed_fit(args, strategy, optimizer=_adamw)
+        result[name], result[f"{name}_cpu"] = _timed_fit(args, SMPStrategy(shard_optimizer_state=shard))
     out.put((rank, result))
+
+
+def _timed_fit(args: argparse.Namespace, strategy: Any) -> tuple[float, float]:
+    """`pipeline_bench.fit_blocks` with AdamW for ``--warmup`` + ``--steps`` steps: the median wall and CPU
+    seconds (this process's, all threads) from one ``on_train_batch_start`` to the next after warm-up."""
+    from lightning.pytorch.callbacks import Callback
+
+    class StepTimes(Callback):
+        def __init__(self) -> None:
+            self.starts: list[tuple[float, float]] = []
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.starts.append((time.perf_counter(), time.process_time()))
+
+        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            self.starts.append((time.perf_counter(), time.process_time()))
+
+    timer = StepTimes()
+    bench.fit_blocks(args, strategy, args.warmup + args.steps, callbacks=[timer], optimizer=_adamw)
+    steps = list(zip(timer.starts, timer.starts[1:], strict=False))[args.warmup :]
+    wall = statistics.median(end[0] - start[0] for start, end in steps)
+    return wall, statistics.median(end[1] - start[1] for start, end in steps)
 
 
 def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
@@ -106,12 +137,13 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def report(best: dict, args: argparse.Namespace) -> dict:
-    row = {f"{name}_s": best[name] for name in KINDS}
+    row = {f"{name}_s": best[name] for name in (*KINDS, *CPU_KINDS)}
     row["smp_zero1_over_smp_dp"] = best["smp_zero1"] / best["smp_dp"]
+    row["smp_zero1_over_smp_dp_cpu"] = best["smp_zero1_cpu"] / best["smp_dp_cpu"]
     row["torch_zero_over_torch_ddp"] = best["torch_zero"] / best["torch_ddp"]
-    print(" ".join(f"{name} {best[name] * 1e3:7.1f}ms" for name in KINDS))
+    print(" ".join(f"{name} {best[name] * 1e3:7.1f}ms" for name in (*KINDS, *CPU_KINDS)))
     print(
-        f"smp_zero1 / smp_dp = {row['smp_zero1_over_smp_dp']:.3f}, "
+        f"smp_zero1 / smp_dp = {row['smp_zero1_over_smp_dp']:.3f} wall, {row['smp_zero1_over_smp_dp_cpu']:.3f} CPU; "
         f"torch_zero / torch_ddp = {row['torch_zero_over_torch_ddp']:.3f}"
     )
     parameters = sum(p.numel() for p in bench.blocks_model(args.width, args.blocks).parameters())
