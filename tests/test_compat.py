@@ -124,6 +124,25 @@ def test_torch_non_finite_check_and_unscale():
     assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
 
 
+def test_torch_autograd_engine_call_accumulates_like_backward():
+    """`accumulate_gradients` is ``torch.autograd.backward`` from a node's gradient edge with ``inputs=``, hooks
+    included, less its checks of the gradients."""
+    from torch.autograd.graph import GradientEdge
+
+    layer = nn.Linear(3, 2)
+    layer.bias.register_hook(lambda grad: 2 * grad)
+    x = torch.randn(4, 3, requires_grad=True)
+    out = layer(x)
+    grad = torch.randn(4, 2)
+    _compat.accumulate_gradients([GradientEdge(out.grad_fn, 0)], [grad], [layer.weight, layer.bias], retain_graph=True)
+    assert x.grad is None
+    torch.testing.assert_close(layer.weight.grad, grad.t() @ x)
+    torch.testing.assert_close(layer.bias.grad, 2 * grad.sum(0))
+    _compat.accumulate_gradients([out], [grad], [x], retain_graph=False)
+    torch.testing.assert_close(x.grad, grad @ layer.weight)
+    assert list(inspect.signature(torch.autograd.graph._engine_run_backward).parameters)[:1] == ["t_outputs"]
+
+
 def test_torch_flat_buffers_and_module_state_sync():
     tensors = [torch.ones(2), torch.zeros(1, 3)]
     flat = _compat.flatten_dense_tensors(tensors)
