@@ -548,6 +548,21 @@ class _ParameterOnlyOutput(nn.Module):
         return self.linear(x) + y, 2 * y
 
 
+class _OutputUsedAgain(nn.Module):
+    """An output off the activation's path that is also part of another output, on the path and off it: its
+    gradient is its own plus what the others send it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.table = nn.Parameter(torch.randn(8, 16))
+        self.scale = nn.Parameter(torch.randn(16, 16))
+
+    def forward(self, x):
+        y = self.table @ self.scale
+        return self.linear(x) + y, y, 2 * y
+
+
 class _LossHead(nn.Module):
     """The last stage: a norm, a head and a scalar loss with a weight penalty off the activation's path."""
 
@@ -586,6 +601,7 @@ _STAGES = {
     "hooked": _Hooked,
     "reused": _Reused,
     "parameter_only_output": _ParameterOnlyOutput,
+    "output_used_again": _OutputUsedAgain,
     "loss": _LossHead,
 }
 
