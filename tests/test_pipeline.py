@@ -548,15 +548,9 @@ class _ParameterOnlyOutput(nn.Module):
         return self.linear(x) + y, 2 * y
 
 
-class _OutputUsedAgain(nn.Module):
+class _OutputUsedAgain(_ParameterOnlyOutput):
     """An output off the activation's path that is also part of another output, on the path and off it: its
     gradient is its own plus what the others send it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(16, 16)
-        self.table = nn.Parameter(torch.randn(8, 16))
-        self.scale = nn.Parameter(torch.randn(16, 16))
 
     def forward(self, x):
         y = self.table @ self.scale
