@@ -137,17 +137,16 @@ class BackwardSplitter:
         found: list[_Group] = []
         off_path_roots = {edge.node for edge in roots} - on_input_path
         for node in children:  # breadth-first from the outputs
-            group = _Group()
-            if node in off_path_roots:
-                below = [node]
-            elif node in on_input_path:
-                below = [child for child in children[node] if child not in on_input_path]
-                if not below:
+            if node in on_input_path:
+                stack = [child for child in children[node] if child not in on_input_path]
+                if not stack:
                     continue
+                group = _Group()
                 group.nodes.append(node)
+            elif node in off_path_roots:
+                stack, group = [node], _Group()
             else:
                 continue
-            stack = list(below)
             while stack:
                 child = stack.pop()
                 if child in owner:
