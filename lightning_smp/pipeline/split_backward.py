@@ -4,18 +4,19 @@
 stage waits for) and returns a `WeightGradients`, which computes the parameters' gradients when called: the
 schedule's W action.
 As torch's ``stage_backward_input`` / ``stage_backward_weight`` do (torch/distributed/pipelining/_backward.py,
-torch 2.13), on autograd's public graph API: before the input pass, one walk of the graph finds the nodes on the
-activation's path that a parameter's own path leads into (the "intermediates", e.g. a linear layer's matmul, where
-its weight and bias meet the activation) or the outputs off that path; a pre-hook keeps the gradient each
-intermediate receives in the input pass, which keeps the graph; the weight pass starts from those gradients and
-runs only the parameters' side (the engine from the nodes' gradient edges with ``inputs=`` the parameters, which
-accumulates into ``.grad`` and runs the parameters' hooks as a whole backward would). So no node computes the same
-gradient twice: the split costs no compute, but one engine call per group of parameters (a layer) where the whole
-backward makes one per microbatch, and a walk of the graph. Those calls skip ``torch.autograd.backward``'s Python
-checks of the gradients (`_compat.accumulate_gradients`), which cost as much as the engine call itself on small
-layers; the weight pass runs the groups in the order the whole backward would. Without an activation that needs a
-gradient (the first stage) the input pass does nothing and the weight pass is the whole backward. Not owned: when
-each part runs (the plan, `schedule.zero_bubble`).
+torch 2.13), on autograd's graph: before the input pass, one walk of the graph finds the nodes on the activation's
+path that a parameter's own path leads into (the "intermediates", e.g. a linear layer's matmul, where its weight and
+bias meet the activation), and the outputs off that path; a pre-hook keeps the gradient each intermediate receives
+in the input pass, which keeps the graph; the weight pass starts from those gradients and runs only the parameters'
+side (the engine from the nodes' gradient edges with ``inputs=`` the parameters, which accumulates into ``.grad`` and
+runs the parameters' hooks as a whole backward would), one group of parameters (a layer) after the other, in the
+order the whole backward meets them. So no node computes the same gradient twice: the split costs no compute, but
+it costs bookkeeping: the walk, a hook per intermediate, and one engine call per group where a whole backward makes
+one per microbatch (the calls skip ``torch.autograd.backward``'s Python checks of the gradients, which cost as much
+as the engine call on a small layer: `_compat.accumulate_gradients`). On one stage of `benchmarks/pipeline_bench.py`
+(4 x Linear(512), 32 rows, one thread, 2-vCPU machine) both parts take 1.2-1.3x the CPU time of the whole backward,
+1.06-1.14x at width 1024. Without an activation that needs a gradient (the first stage) the input pass does nothing
+and the weight pass is the whole backward. Not owned: when each part runs (the plan, `schedule.zero_bubble`).
 """
 
 from __future__ import annotations
