@@ -20,7 +20,15 @@ from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
 from tests.gpt import SEQ, VOCAB, WIDTH, BlockGPT
 from tests.models import quiet_trainer, small_cnn
-from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses, single_device_run
+from tests.parity import (
+    FP16_REL,
+    FP32_REL,
+    assert_fp16_matches,
+    assert_same_overflow,
+    assert_tensors_close,
+    mean_losses,
+    single_device_run,
+)
 
 STEPS = 10
 
@@ -551,6 +559,8 @@ LAYOUTS_4 = {
     "gpt_pp2_dp2_zb_zero1": ("gpt", {}, {**PP2_DP2, **ZB, "shard_optimizer_state": True}),  # optimizer reduces
     # two batches of 8 per step: the reference's batches of 16 (64 samples: 2 steps per epoch in both)
     "gpt_pp2_dp2_accumulate": ("gpt", {"samples": 64}, PP2_DP2, {"accumulate_grad_batches": 2}),
+    "gpt_pp2_dp2_fp16": ("gpt", {}, {**PP2_DP2, **FP16}),
+    "gpt_pp2_dp2_checkpointed": ("gpt", {"checkpoint": "each"}, PP2_DP2),
     # each block checkpointed: W recomputes it again, replaying the tensor-parallel streams a second time
     "gpt_pp2_tp2_zb_checkpointed": ("gpt", {"checkpoint": "each", "batch_size": 4}, {**PP2_TP2, **ZB}),
 }
@@ -581,14 +591,17 @@ def test_pp4_sequential_cnn_matches_one_process(four_ranks):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_zb_zero1"])
+@pytest.mark.parametrize("name", ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_zb_zero1", "gpt_pp2_dp2_checkpointed"])
 def test_pp2_dp2_matches_one_process_on_the_global_batch(four_ranks, name):
     assert [r[name]["dp"] for r in four_ranks] == [0, 0, 1, 1]
     _check_against(_reference("gpt", {}, replicas=2), four_ranks, name)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_accumulate"])
+@pytest.mark.parametrize(
+    "name",
+    ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_accumulate", "gpt_pp2_dp2_fp16", "gpt_pp2_dp2_checkpointed"],
+)
 def test_pp2_dp2_all_reduces_start_during_the_last_backwards(four_ranks, name):
     # one overlapped reduction per optimizer step (none on the accumulation's first micro-steps), and every bucket
     # of it started by the gradient hooks of a chunk's last backward or weight pass, none left for after the schedule
@@ -598,6 +611,16 @@ def test_pp2_dp2_all_reduces_start_during_the_last_backwards(four_ranks, name):
         assert all(during == total >= 1 for during, total in reductions), (name, reductions)
     # with sharded optimizer state the optimizer reduces: the engine starts nothing
     assert all(rank["gpt_pp2_dp2_zb_zero1"]["reductions"] == [] for rank in four_ranks)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_dp2_fp16_matches_one_process_with_the_same_skipped_steps(four_ranks):
+    reference = _reference("gpt", {}, replicas=2, fp16=True, init_scale=2.0**16)
+    assert reference["skipped"] > 0  # the check below means something
+    runs = [rank["gpt_pp2_dp2_fp16"] for rank in four_ranks]
+    for run in runs:
+        assert_same_overflow(run, reference)  # every rank skipped the same steps: one vote over the replicas
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
 
 
 @pytest.mark.timeout(300)
