@@ -127,9 +127,10 @@ def fit_blocks(
     steps: int,
     callbacks: list | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.SGD(params, lr=1e-4),
+    devices: int = STAGES,
 ) -> None:
     """A real ``Trainer.fit`` of the blocks (MSE loss, SGD unless ``optimizer`` makes another from the parameters)
-    on two CPU ranks under ``strategy``, ``steps`` steps of the same batch, printing and writing nothing;
+    on ``devices`` CPU ranks under ``strategy``, ``steps`` steps of the same batch, printing and writing nothing;
     `pipeline_timeline.py` times the same run, `zero1_bench.py` the same with AdamW."""
     import lightning.pytorch as pl
 
@@ -147,7 +148,7 @@ def fit_blocks(
 
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=STAGES,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         logger=False,

@@ -63,6 +63,7 @@ __all__ = [
     "foreach_norm",
     "foreach_zero_",
     "forward_redirection",
+    "hf_missing_keys_moved_by",
     "install_sigterm_hooks",
     "mark_sigterm_received",
     "module_table",
@@ -257,6 +258,26 @@ def install_sigterm_hooks(
     (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
     trainer._signal_connector._sigterm_notifier_fn = on_signal
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = before_step
+
+
+@contextmanager
+def hf_missing_keys_moved_by(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Generator[bool, None, None]:
+    """For the block, transformers' ``PreTrainedModel._move_missing_keys_from_meta_to_device`` (``from_pretrained``
+    puts the keys a checkpoint lacks and the non-persistent buffers on the CPU with it, before initialising them)
+    replaced by ``wrap(that method)``; yields False, replacing nothing, where transformers has no such method.
+    Checked against transformers 5.24."""
+    from transformers import modeling_utils  # the package imports its submodules lazily
+
+    model_class = modeling_utils.PreTrainedModel
+    moves = model_class.__dict__.get("_move_missing_keys_from_meta_to_device")
+    if moves is None:
+        yield False
+        return
+    model_class._move_missing_keys_from_meta_to_device = wrap(moves)
+    try:
+        yield True
+    finally:
+        model_class._move_missing_keys_from_meta_to_device = moves
 
 
 def mark_sigterm_received(trainer: pl.Trainer) -> None:

@@ -27,6 +27,7 @@ _FOREIGN = {
     "_computed",
     "_forward_cache",
     "_modules",
+    "_move_missing_keys_from_meta_to_device",
     "_optimizer",
     "_parameters",
     "_signal_connector",
@@ -249,6 +250,17 @@ def test_lightning_strategy_and_precision_internals():
     assert "self._setup_model(" in inspect.getsource(DDPStrategy)
     assert "self._precision_plugin" in inspect.getsource(DDPStrategy.__mro__[2])  # Strategy
     assert "_apply" in vars(nn.Module) and "self._apply(" in inspect.getsource(nn.Module.to)
+
+
+def test_transformers_missing_keys_mover_replaced_for_the_block():
+    modeling_utils = pytest.importorskip("transformers.modeling_utils")
+    model_class = modeling_utils.PreTrainedModel
+    original = model_class._move_missing_keys_from_meta_to_device
+    assert "self" in inspect.signature(original).parameters
+    with _compat.hf_missing_keys_moved_by(lambda move: ("wrapped", move)) as moved:
+        assert moved
+        assert model_class._move_missing_keys_from_meta_to_device == ("wrapped", original)
+    assert model_class._move_missing_keys_from_meta_to_device is original
 
 
 def test_lightning_sigterm_hooks():
