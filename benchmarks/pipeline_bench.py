@@ -26,9 +26,11 @@ into m microbatches (m = ``--microbatches``, default 2, 4, 8). Per m, the second
 
 Each is the median step time over ``--steps`` steps after ``--warmup``, the best of ``--rounds`` rounds (rounds
 run the kinds in turn, so drift of a shared machine hits them alike). Printed: step times, speed-ups over
-``single``, and each pipeline's speed-up as a fraction of the ideal. ``--out`` writes the JSON.
+``single``, and each pipeline's speed-up as a fraction of the ideal. ``--pipelines`` times only those named
+(``single`` and ``half`` always run: the ideal needs them). ``--out`` writes the JSON.
 
     python benchmarks/pipeline_bench.py --out pipeline_bench.json
+    python benchmarks/pipeline_bench.py --microbatches 8 --pipelines smp_1f1b,smp_zb,torch_zb
 """
 
 from __future__ import annotations
@@ -51,8 +53,15 @@ import torch.multiprocessing as mp
 from torch import nn
 
 STAGES = 2
-PIPELINES = ("smp_1f1b", "smp_gpipe", "smp_virtual2", "smp_zb", "torch_1f1b", "torch_gpipe", "torch_zb", "torch_zbv")
-"""The pipelines each round times (see the module docstring)."""
+_SMP = {  # name: (pipeline, GPipe's active_microbatches=m, virtual_stages)
+    "smp_1f1b": ("interleaved", False, 1),
+    "smp_gpipe": ("simple", True, 1),
+    "smp_virtual2": ("interleaved", False, 2),
+    "smp_zb": ("zero_bubble", False, 1),
+}
+_TORCH = ("torch_1f1b", "torch_gpipe", "torch_zb", "torch_zbv")
+PIPELINES = (*_SMP, *_TORCH)
+"""The pipelines a round can time (see the module docstring); ``--pipelines`` picks some."""
 
 
 def blocks_model(width: int, blocks: int) -> nn.Sequential:
@@ -118,9 +127,10 @@ def fit_blocks(
     steps: int,
     callbacks: list | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] = lambda params: torch.optim.SGD(params, lr=1e-4),
+    devices: int = STAGES,
 ) -> None:
     """A real ``Trainer.fit`` of the blocks (MSE loss, SGD unless ``optimizer`` makes another from the parameters)
-    on two CPU ranks under ``strategy``, ``steps`` steps of the same batch, printing and writing nothing;
+    on ``devices`` CPU ranks under ``strategy``, ``steps`` steps of the same batch, printing and writing nothing;
     `pipeline_timeline.py` times the same run, `zero1_bench.py` the same with AdamW."""
     import lightning.pytorch as pl
 
@@ -138,7 +148,7 @@ def fit_blocks(
 
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=STAGES,
+        devices=devices,
         strategy=strategy,
         max_steps=steps,
         logger=False,
@@ -177,13 +187,10 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
     from lightning_smp import SMPStrategy
 
     result = {}
-    kinds = (
-        ("smp_1f1b", "interleaved", None, 1),
-        ("smp_gpipe", "simple", "m", 1),
-        ("smp_virtual2", "interleaved", None, 2),
-        ("smp_zb", "zero_bubble", None, 1),
-    )
-    for name, pipeline, active, virtual_stages in kinds:
+    for name in args.pipelines:
+        if name not in _SMP:
+            continue
+        pipeline, active, virtual_stages = _SMP[name]
         for m in args.microbatches:
             strategy = SMPStrategy(
                 pipeline_parallel_degree=STAGES,
@@ -216,7 +223,9 @@ def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
     x, y = blocks_data(args)
     device = torch.device("cpu")
     result = {}
-    for name in ("torch_gpipe", "torch_1f1b", "torch_zb", "torch_zbv"):
+    for name in args.pipelines:
+        if name not in _TORCH:
+            continue
         held = v_modules if name == "torch_zbv" else [module]
         optimizer = torch.optim.SGD([p for m in held for p in m.parameters()], lr=1e-4)
         for m in args.microbatches:
@@ -335,15 +344,15 @@ def measure(args: argparse.Namespace) -> dict:
         barrier = _context().Barrier(STAGES)
         for m, seconds in slowest(spawn(_half, STAGES, args, barrier)).items():
             keep(("half", m), seconds)
-        for key, seconds in slowest(spawn(_smp, STAGES, args, env=torchelastic)).items():
-            keep(key, seconds)
-        for key, seconds in slowest(spawn(_torch, STAGES, args)).items():
-            keep(key, seconds)
+        for kinds, target, env in ((_SMP, _smp, torchelastic), (_TORCH, _torch, None)):
+            if any(name in args.pipelines for name in kinds):
+                for key, seconds in slowest(spawn(target, STAGES, args, env=env)).items():
+                    keep(key, seconds)
     return best
 
 
 def report(best: dict, args: argparse.Namespace) -> dict:
-    pipelines = PIPELINES
+    pipelines = args.pipelines
     rows = []
     for m in args.microbatches:
         single, half = best[("single", m)], best[("half", m)]
@@ -355,8 +364,9 @@ def report(best: dict, args: argparse.Namespace) -> dict:
             row[f"{name}_s"] = best[(name, m)]
             row[f"{name}_speedup"] = speedup
             row[f"{name}_of_ideal"] = speedup / ideal
-        row["smp_zb_over_smp_1f1b"] = best[("smp_zb", m)] / best[("smp_1f1b", m)]
-        row["smp_zb_over_torch_zb"] = best[("smp_zb", m)] / best[("torch_zb", m)]
+        for other in ("smp_1f1b", "torch_zb"):
+            if "smp_zb" in pipelines and other in pipelines:
+                row[f"smp_zb_over_{other}"] = best[("smp_zb", m)] / best[(other, m)]
         rows.append(row)
     header = f"{'m':>3} {'single ms':>10} {'B':>5} {'ideal':>6} " + " ".join(f"{n:>18}" for n in pipelines)
     print(header)
@@ -368,10 +378,13 @@ def report(best: dict, args: argparse.Namespace) -> dict:
         print(f"{first} {cells}")
     print("(each pipeline: step time, fraction of the ideal speed-up / speed-up over `single`)")
     for row in rows:
-        print(
-            f"m={row['microbatches']}: smp_zb step / smp_1f1b step = {row['smp_zb_over_smp_1f1b']:.3f}, "
-            f"/ torch_zb step = {row['smp_zb_over_torch_zb']:.3f}"
-        )
+        ratios = [
+            f"/ {other} step = {row[key]:.3f}"
+            for other in ("smp_1f1b", "torch_zb")
+            if (key := f"smp_zb_over_{other}") in row
+        ]
+        if ratios:
+            print(f"m={row['microbatches']}: smp_zb step " + ", ".join(ratios))
     return record(rows, args)
 
 
@@ -399,6 +412,17 @@ def _processor() -> str:
     return names[0] if names else platform.processor()
 
 
+def parse_pipelines(text: str) -> list[str]:
+    """``--pipelines``: names from PIPELINES, comma-separated; returned in PIPELINES' order, each once."""
+    names = text.split(",")
+    unknown = [name for name in names if name not in PIPELINES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown pipeline(s) {', '.join(unknown)}; choose from {', '.join(PIPELINES)}"
+        )
+    return [name for name in PIPELINES if name in names]
+
+
 def record(rows: list[dict], args: argparse.Namespace) -> dict:
     """A run's rows with the date, machine, command and settings that produced them (the JSON of ``--out``)."""
     return {
@@ -420,6 +444,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0)
+    parser.add_argument(
+        "--pipelines",
+        type=parse_pipelines,
+        default=list(PIPELINES),
+        help="a comma-separated subset of: " + ", ".join(PIPELINES),
+    )
     parser.add_argument("--out", type=str, default=None)
     args = parser.parse_args()
     describe_machine()

@@ -9,6 +9,11 @@ an activation, or on a stage before the last for the step's result, inside ``sha
 gradients); sends and posted receives (``post_receive``: an activation's or the result's, ``post_grads``) show
 what a message costs the caller.
 
+With ``--data-parallel 2`` (four ranks: two replicas of the two stages) the step's all-reduces over the replicas
+show too: ``all_reduce`` where a bucket's collective is issued (from the gradient hooks of each stage's last
+backward), ``reduce_wait`` where Lightning's backward call waits for them; a line per rank says how long before its
+last backward ended the first bucket left (with ``--width 2048`` the stages' gradients fill several 25 MiB buckets).
+
 With ``--pipeline zero_bubble`` the weight-gradient actions show as W, and the lanes drawn after the step (one
 character per slice of the step: F, B, W for the actions, ``.`` for a rank waiting) show where they run: in the
 time 1F1B leaves idle.
@@ -16,6 +21,7 @@ time 1F1B leaves idle.
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline interleaved
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline zero_bubble
     python benchmarks/pipeline_timeline.py --microbatches 8 --pipeline simple --active-microbatches 8  # bench's GPipe
+    python benchmarks/pipeline_timeline.py --microbatches 8 --data-parallel 2 --width 2048 --batch 64
 
 ``--trace run.json`` also writes every event after warm-up as a Chrome trace (open it at https://ui.perfetto.dev),
 ``--plot step.png`` draws the ``--show`` step per rank (`timeline_render.py`; docs/pipeline.md shows one per
@@ -37,6 +43,7 @@ except ImportError:  # run as `python benchmarks/pipeline_timeline.py`
     import pipeline_bench as bench
     import timeline_render
 
+from lightning_smp import overlap
 from lightning_smp.pipeline import p2p, runtime
 
 _WRAPPED = (
@@ -51,6 +58,8 @@ _WRAPPED = (
     (p2p.Transport, "_post", "post_receive"),
     (p2p.Transport, "post_grads", "post_grads"),
     (runtime.PipelineEngine, "_share", "share"),  # on the stages before the last, the step result's receive
+    (overlap.ReadyBuckets, "_start", "all_reduce"),  # --data-parallel: a bucket's all-reduce issued
+    (overlap.ReadyBuckets, "finish", "reduce_wait"),  # --data-parallel: waiting for the step's all-reduces
 )
 
 
@@ -82,7 +91,7 @@ def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
         pipeline=args.pipeline,
         active_microbatches=args.active_microbatches,
     )
-    bench.fit_blocks(args, strategy, args.steps)
+    bench.fit_blocks(args, strategy, args.steps, devices=2 * args.data_parallel)
     out.put((rank, events))
 
 
@@ -98,6 +107,16 @@ def report(per_rank: dict[int, list], args: argparse.Namespace) -> None:
         print(f"rank {rank}: " + " ".join(cells))
     for rank, lane in lanes(per_rank, t0, t1, width=args.lane_width).items():
         print(f"rank {rank} |{lane}|")
+    for rank, events in sorted(per_rank.items()):
+        shown = [e for e in events if t0 <= e[1] < t1]
+        issued = [a for label, a, _, _ in shown if label == "all_reduce"]
+        backwards = [b for label, _, b, _ in shown if label in ("B", "W")]
+        if issued and backwards:
+            print(
+                f"rank {rank}: {len(issued)} all-reduce bucket(s) issued from {1e3 * (min(issued) - t0):.1f} ms, "
+                f"{1e3 * (max(backwards) - min(issued)):.1f} ms before its last backward ended "
+                f"({1e3 * (max(backwards) - t0):.1f} ms)"
+            )
     print(f"mean ms per step over steps {args.warmup}..{args.steps - 2}:")
     for rank, events in sorted(per_rank.items()):
         begin, end = steps[rank][args.warmup][1], steps[rank][-1][1]
@@ -149,6 +168,7 @@ def main() -> None:
         default=None,
         help="smp's cap (default stages + 2); pipeline_bench's GPipe: m",
     )
+    parser.add_argument("--data-parallel", type=int, default=1, help="replicas of the two stages (2x as many ranks)")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--show", type=int, default=10, help="the step printed action by action")
@@ -159,7 +179,7 @@ def main() -> None:
     args = parser.parse_args()
     if not args.warmup <= args.show < args.steps - 1:
         parser.error("--show must lie in [--warmup, --steps - 2]")
-    per_rank = dict(bench.spawn(_rank, 2, args, env={"TORCHELASTIC_RUN_ID": "timeline"}))
+    per_rank = dict(bench.spawn(_rank, 2 * args.data_parallel, args, env={"TORCHELASTIC_RUN_ID": "timeline"}))
     report(per_rank, args)
     if args.trace:
         timeline_render.write_chrome_trace(per_rank, args.trace, warmup=args.warmup)

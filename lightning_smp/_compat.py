@@ -16,7 +16,7 @@ group), the ``precision_plugin`` property's storage ``_precision_plugin`` (``Str
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.autograd.graph import GradientEdge, _engine_run_backward
 from torch.distributed.distributed_c10d import _set_pg_timeout
 from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo, ShardPlacementResult
 from torch.distributed.utils import _sync_module_states
@@ -45,6 +46,7 @@ __all__ = [
     "HSDPMeshInfo",
     "ShardPlacementResult",
     "TorchDispatchMode",
+    "accumulate_gradients",
     "after_closure",
     "buffer_table",
     "canonical_mask",
@@ -61,6 +63,7 @@ __all__ = [
     "foreach_norm",
     "foreach_zero_",
     "forward_redirection",
+    "hf_missing_keys_moved_by",
     "install_sigterm_hooks",
     "mark_sigterm_received",
     "module_table",
@@ -100,6 +103,19 @@ foreach_clamp_max_ = torch._foreach_clamp_max_
 non_finite_check_and_unscale_ = torch._amp_foreach_non_finite_check_and_unscale_
 """``(grads, found_inf, inv_scale)``: multiplies by ``inv_scale`` and sets ``found_inf`` to 1 on any inf/nan,
 with no host sync (what ``torch.amp.GradScaler`` runs)."""
+
+
+def accumulate_gradients(
+    roots: Sequence[Tensor | GradientEdge], grads: Sequence[Tensor], inputs: Sequence[Tensor], *, retain_graph: bool
+) -> None:
+    """``torch.autograd.backward(roots, grads, inputs=inputs, retain_graph=retain_graph)`` without its Python checks
+    of each gradient against its root's shape and dtype (``_make_grads``; ~50 us a call on a 2-vCPU machine, where
+    a split backward makes one call per layer and microbatch): for gradients of the right shape, as autograd itself
+    produced them. The engine call below is what ``backward`` ends with."""
+    _engine_run_backward(
+        tuple(roots), tuple(grads), retain_graph, False, tuple(inputs), allow_unreachable=True, accumulate_grad=True
+    )
+
 
 # Flat buffers of many tensors (what DDP's bucketing and torch's coalesced collectives use).
 flatten_dense_tensors = _flatten_dense_tensors
@@ -242,6 +258,26 @@ def install_sigterm_hooks(
     (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
     trainer._signal_connector._sigterm_notifier_fn = on_signal
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = before_step
+
+
+@contextmanager
+def hf_missing_keys_moved_by(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Generator[bool, None, None]:
+    """For the block, transformers' ``PreTrainedModel._move_missing_keys_from_meta_to_device`` (``from_pretrained``
+    puts the keys a checkpoint lacks and the non-persistent buffers on the CPU with it, before initialising them)
+    replaced by ``wrap(that method)``; yields False, replacing nothing, where transformers has no such method.
+    Checked against transformers 5.24."""
+    from transformers import modeling_utils  # the package imports its submodules lazily
+
+    model_class = modeling_utils.PreTrainedModel
+    moves = model_class.__dict__.get("_move_missing_keys_from_meta_to_device")
+    if moves is None:
+        yield False
+        return
+    model_class._move_missing_keys_from_meta_to_device = wrap(moves)
+    try:
+        yield True
+    finally:
+        model_class._move_missing_keys_from_meta_to_device = moves
 
 
 def mark_sigterm_received(trainer: pl.Trainer) -> None:

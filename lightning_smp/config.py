@@ -157,8 +157,9 @@ class SMPConfig:
     """Pieces each batch is split into for pipelining; the batch size must be divisible by it."""
     pipeline: str = "interleaved"
     """Pipeline schedule: "interleaved" runs a backward as soon as it can (1F1B), "simple" runs every forward
-    first (GPipe); "zero_bubble" (not smp's) is 1F1B with each backward split into its input and weight gradients,
-    the weight gradients moved to fill the pipeline's idle time (ZB-H1: a third of 1F1B's bubble, same memory).
+    first (GPipe); "zero_bubble" (not smp's) is 1F1B with backwards split into their input and weight gradients,
+    the weight gradients moved to fill the pipeline's idle time (ZB-H1: a third of 1F1B's bubble, same memory;
+    only the backwards whose move shortens the step are split).
     smp's internal "_only_forward" is accepted from smp_options and runs as "interleaved" (evaluation steps always
     run forward only), with a warning."""
     optimize: str = "speed"

@@ -224,14 +224,19 @@ def close_process_groups() -> None:
     thread. A group still referenced at exit (by the strategy, the optimizer, tensor-parallel layers) is torn
     down during interpreter finalization, where a rank of a run that succeeded can abort: "terminate called
     without an active exception", exit code -6. So the registered runs drop their references too, and a garbage
-    collection frees the groups now. After a failure nothing is done here: destroying NCCL groups with work in
-    flight can block, and the job is ending anyway (`end_launched_ranks`, the launcher).
+    collection frees what held them now. In that order: the holders (a DDP model's reducer among them) are freed
+    while torch still registers the groups, so that each group's last reference is dropped by
+    ``destroy_process_group``, which releases the GIL while gloo's workers stop; dropped by a reducer instead (the GIL
+    held), a worker that still has to release a finished collective's tensors waits for the GIL forever (pytorch
+    #56297). After a failure nothing is done here: destroying NCCL groups with work in flight can block, and the job
+    is ending anyway (`end_launched_ranks`, the launcher).
     """
     runs = list(_at_exit)
     if any(run.failed for run in runs):
         return
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
     for run in runs:
         run.forget_process_groups()
+    gc.collect()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
     gc.collect()

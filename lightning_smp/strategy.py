@@ -376,6 +376,7 @@ class SMPStrategy(DDPStrategy):
                     self.optimizers[0] if self.optimizers else None,
                     accumulation=self.lightning_module.trainer.accumulate_grad_batches,
                 ),
+                sync=not self._grad_sync_blocked,
             )
         self._log_loss_scale()
         return own(output)

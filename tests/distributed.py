@@ -114,26 +114,30 @@ def launch_once(target: Callable[..., Any], world_size: int, *args: Any, timeout
     return outcome
 
 
-def run_benchmark(script: str, *args: str, timeout: float = 240) -> str:
-    """Run ``benchmarks/<script> ARGS`` in a fresh interpreter from the repository root; returns its stdout, fails
-    with its stderr's tail. Past the timeout the script's whole process group ends, the ranks it launched included,
-    so that they do not go on taking the cores of the tests that follow."""
+def run_process(
+    command: list[str], *, timeout: float, cwd: str | Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``command`` and capture its output, as ``subprocess.run`` does; past the timeout its whole process group
+    ends, the ranks it launched included (``subprocess.run`` kills only the first process), so that they do not go
+    on taking the cores of the tests that follow, and the test fails."""
     with subprocess.Popen(
-        [sys.executable, str(_REPO / "benchmarks" / script), *args],
-        cwd=_REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     ) as process:
         try:
             stdout, stderr = process.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
-            pytest.fail(f"{script} {' '.join(args)} ran past {timeout} s", pytrace=False)
-    assert process.returncode == 0, f"{script} failed:\n{stderr[-3000:]}"
-    return stdout
+            pytest.fail(f"{' '.join(map(str, command))} ran past {timeout} s", pytrace=False)
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 240) -> str:
+    """Run ``benchmarks/<script> ARGS`` in a fresh interpreter from the repository root (`run_process`); returns its
+    stdout, fails with its stderr's tail."""
+    result = run_process([sys.executable, str(_REPO / "benchmarks" / script), *args], timeout=timeout, cwd=_REPO)
+    assert result.returncode == 0, f"{script} failed:\n{result.stderr[-3000:]}"
+    return result.stdout
 
 
 def init_gloo() -> None:

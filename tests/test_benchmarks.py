@@ -1,6 +1,7 @@
 """The CPU benchmarks still run, with the smallest settings, and report every kind they promise (no timings are
 judged here: docs/benchmarks.md holds the measured figures and the commands that produce them)."""
 
+import argparse
 import json
 import math
 import os
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import tp_memory
+from benchmarks import pipeline_bench, tp_memory
 from benchmarks.pipeline_bench import PIPELINES
 from tests.distributed import run_benchmark, run_distributed
 
@@ -35,6 +36,19 @@ def test_pipeline_bench_reports_every_pipeline_against_the_ideal(tmp_path: Path)
     assert _positive(row["B"]) and _positive(row["ideal_speedup"])
     for kind in PIPELINES:
         assert _positive(row[f"{kind}_s"]) and _positive(row[f"{kind}_of_ideal"]), kind
+
+
+def test_pipeline_bench_reports_only_the_pipelines_asked_for(capsys: pytest.CaptureFixture[str]) -> None:
+    chosen = pipeline_bench.parse_pipelines("torch_zb,smp_zb")
+    assert chosen == ["smp_zb", "torch_zb"]  # PIPELINES' order
+    with pytest.raises(argparse.ArgumentTypeError, match=r"unknown pipeline.*smp_zbv"):
+        pipeline_bench.parse_pipelines("smp_zbv")
+    best = {("single", 8): 1.0, ("half", 8): 0.6, ("smp_zb", 8): 0.9, ("torch_zb", 8): 1.2}
+    args = argparse.Namespace(microbatches=[8], pipelines=chosen)
+    (row,) = pipeline_bench.report(best, args)["rows"]
+    assert row["smp_zb_over_torch_zb"] == pytest.approx(0.75)
+    assert "smp_zb_over_smp_1f1b" not in row and "smp_1f1b_s" not in row
+    assert "smp_zb step / torch_zb step = 0.750" in capsys.readouterr().out
 
 
 def test_pipeline_messages_reports_ours_and_torch_per_compute_time(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 
 from lightning_smp import SMPConfig, SMPPrecision, SMPStrategy, cli
 from lightning_smp.memory import parse_bytes
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, run_process
 
 _ROOT = Path(__file__).resolve().parents[1]
 _CONFIGS = _ROOT / "examples" / "configs"
@@ -121,7 +121,7 @@ _BRIEF = [  # a brief CPU run of any config
 
 def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    result = run_process(command, cwd=cwd, env=env, timeout=timeout)
     assert result.returncode == 0, f"{' '.join(command)} failed:\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
     return result
 

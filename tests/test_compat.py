@@ -27,6 +27,7 @@ _FOREIGN = {
     "_computed",
     "_forward_cache",
     "_modules",
+    "_move_missing_keys_from_meta_to_device",
     "_optimizer",
     "_parameters",
     "_signal_connector",
@@ -122,6 +123,25 @@ def test_torch_non_finite_check_and_unscale():
     grads, found = [torch.tensor([2.0, 4.0]), torch.tensor([float("inf")])], torch.zeros(())
     _compat.non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
     assert grads[0].tolist() == [1.0, 2.0] and found.item() == 1.0
+
+
+def test_torch_autograd_engine_call_accumulates_like_backward():
+    """`accumulate_gradients` is ``torch.autograd.backward`` from a node's gradient edge with ``inputs=``, hooks
+    included, less its checks of the gradients."""
+    from torch.autograd.graph import GradientEdge
+
+    layer = nn.Linear(3, 2)
+    layer.bias.register_hook(lambda grad: 2 * grad)
+    x = torch.randn(4, 3, requires_grad=True)
+    out = layer(x)
+    grad = torch.randn(4, 2)
+    _compat.accumulate_gradients([GradientEdge(out.grad_fn, 0)], [grad], [layer.weight, layer.bias], retain_graph=True)
+    assert x.grad is None
+    torch.testing.assert_close(layer.weight.grad, grad.t() @ x)
+    torch.testing.assert_close(layer.bias.grad, 2 * grad.sum(0))
+    _compat.accumulate_gradients([out], [grad], [x], retain_graph=False)
+    torch.testing.assert_close(x.grad, grad @ layer.weight)
+    assert list(inspect.signature(torch.autograd.graph._engine_run_backward).parameters)[:1] == ["t_outputs"]
 
 
 def test_torch_flat_buffers_and_module_state_sync():
@@ -230,6 +250,17 @@ def test_lightning_strategy_and_precision_internals():
     assert "self._setup_model(" in inspect.getsource(DDPStrategy)
     assert "self._precision_plugin" in inspect.getsource(DDPStrategy.__mro__[2])  # Strategy
     assert "_apply" in vars(nn.Module) and "self._apply(" in inspect.getsource(nn.Module.to)
+
+
+def test_transformers_missing_keys_mover_replaced_for_the_block():
+    modeling_utils = pytest.importorskip("transformers.modeling_utils")
+    model_class = modeling_utils.PreTrainedModel
+    original = model_class._move_missing_keys_from_meta_to_device
+    assert "self" in inspect.signature(original).parameters
+    with _compat.hf_missing_keys_moved_by(lambda move: ("wrapped", move)) as moved:
+        assert moved
+        assert model_class._move_missing_keys_from_meta_to_device == ("wrapped", original)
+    assert model_class._move_missing_keys_from_meta_to_device is original
 
 
 def test_lightning_sigterm_hooks():

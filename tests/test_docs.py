@@ -339,6 +339,7 @@ _GROUP_OF_PATH = {
     "smp_options.py": "Configuring the strategy",
     "topology.py": "Launching and failures",
     "reduction.py": "Launching and failures",  # the plan of who reduces gradients; raises nothing of its own
+    "overlap.py": "Launching and failures",  # reductions started during backward
     "fault_tolerance.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
     "activation_checkpointing.py": "Model creation and memory",

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.fault_tolerance import MAX_STEPS_BETWEEN_VOTES, close_process_groups, end_launched_ranks
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, run_process
 from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
 
@@ -74,7 +74,7 @@ def _job(mode: str, directory: Path) -> None:
 def _launch(mode: str, directory: Path) -> tuple[subprocess.CompletedProcess, float]:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "tests.test_fault_tolerance", mode, str(directory)]
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    result = run_process(command, cwd=ROOT, env=env, timeout=300)
     return result, time.time()
 
 

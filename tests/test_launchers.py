@@ -28,6 +28,7 @@ from lightning.fabric.plugins.environments import mpi as lightning_mpi
 
 from lightning_smp import SMPStrategy
 from lightning_smp.topology import coordinates
+from tests.distributed import run_process
 
 _NODES, _PER_NODE = 2, 2
 _WORLD = _NODES * _PER_NODE
@@ -248,9 +249,7 @@ def test_torchrun_two_processes(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    result = subprocess.run(
-        [*command, str(script), str(tmp_path)], env=_job_env(), capture_output=True, text=True, timeout=240
-    )
+    result = run_process([*command, str(script), str(tmp_path)], env=_job_env(), timeout=240)
     assert result.returncode == 0, result.stderr[-6000:]
     _check_ranks(tmp_path, "TorchElasticEnvironment")
 

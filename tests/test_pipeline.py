@@ -143,8 +143,8 @@ def test_every_schedule_completes_without_deadlock(pipeline):
                     assert max(sim.peak_in_flight) <= active
 
 
-def test_zero_bubble_is_1f1b_with_its_weight_gradients_held_back():
-    plans, _ = _orders("zero_bubble", 4, 8)
+def test_zero_bubble_h1_is_1f1b_with_its_weight_gradients_held_back():
+    plans = [schedule.zero_bubble_h1(stages=4, stage=s, microbatches=8) for s in range(4)]
     for stage, plan in enumerate(plans):
         one_f_one_b = schedule.build("interleaved", stages=4, stage=stage, microbatches=8)
         assert [a for a in plan if a.kind != "W"] == one_f_one_b  # F and B where 1F1B runs them
@@ -155,6 +155,21 @@ def test_zero_bubble_is_1f1b_with_its_weight_gradients_held_back():
     # the last stage holds four W's back (its live microbatches then peak at 5, as 1F1B's first stage's)
     assert [_name(a) for a in plans[3][:12]] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "W0", "F5"]
     assert [_name(a) for a in plans[3][-5:]] == ["W3", "W4", "W5", "W6", "W7"]
+
+
+@pytest.mark.parametrize(("stages", "microbatches", "split"), [(2, 4, [0, 4]), (2, 8, [0, 5]), (4, 8, [0, 8, 7, 7])])
+def test_zero_bubble_splits_only_the_backwards_whose_weight_gradients_shorten_the_step(stages, microbatches, split):
+    h1 = [schedule.zero_bubble_h1(stages=stages, stage=s, microbatches=microbatches) for s in range(stages)]
+    plans, _ = _orders("zero_bubble", stages, microbatches)
+    assert [sum(a.kind == "W" for a in plan) for plan in plans] == split
+    for plan, full in zip(plans, h1, strict=True):
+        assert [a for a in plan if a.kind != "W"] == [a for a in full if a.kind != "W"]  # F and B where H1 has them
+        assert [a for a in full if a in set(plan)] == plan  # the W's kept, in H1's places
+    for latency in (0.0, 0.3):
+        costs = dict(forward_time=1.0, backward_time=2.0, weight_time=1.0, latency=latency)
+        merged, full = schedule.simulate(plans, **costs), schedule.simulate(h1, **costs)
+        assert merged.makespan == pytest.approx(full.makespan)  # as short as H1's
+        assert all(m <= f for m, f in zip(merged.peak_in_flight, full.peak_in_flight, strict=True))
 
 
 @pytest.mark.parametrize(("stages", "microbatches"), [(2, 8), (4, 8), (8, 32)])
@@ -548,6 +563,15 @@ class _ParameterOnlyOutput(nn.Module):
         return self.linear(x) + y, 2 * y
 
 
+class _OutputUsedAgain(_ParameterOnlyOutput):
+    """An output off the activation's path that is also part of another output, on the path and off it: its
+    gradient is its own plus what the others send it."""
+
+    def forward(self, x):
+        y = self.table @ self.scale
+        return self.linear(x) + y, y, 2 * y
+
+
 class _LossHead(nn.Module):
     """The last stage: a norm, a head and a scalar loss with a weight penalty off the activation's path."""
 
@@ -586,6 +610,7 @@ _STAGES = {
     "hooked": _Hooked,
     "reused": _Reused,
     "parameter_only_output": _ParameterOnlyOutput,
+    "output_used_again": _OutputUsedAgain,
     "loss": _LossHead,
 }
 

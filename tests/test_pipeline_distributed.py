@@ -20,7 +20,15 @@ from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
 from tests.gpt import SEQ, VOCAB, WIDTH, BlockGPT
 from tests.models import quiet_trainer, small_cnn
-from tests.parity import FP16_REL, FP32_REL, assert_fp16_matches, assert_tensors_close, mean_losses, single_device_run
+from tests.parity import (
+    FP16_REL,
+    FP32_REL,
+    assert_fp16_matches,
+    assert_same_overflow,
+    assert_tensors_close,
+    mean_losses,
+    single_device_run,
+)
 
 STEPS = 10
 
@@ -142,14 +150,33 @@ def _count_weight_actions() -> None:
     PipelineEngine._weight = counted
 
 
+_REDUCTIONS: list[tuple[int, int]] = []  # per overlapped reduction: (buckets started during backward, buckets)
+
+
+def _count_overlapped_reductions() -> None:
+    from lightning_smp.overlap import ReadyBuckets
+
+    launch_rest = ReadyBuckets.launch_rest
+
+    def counted(self):  # first called after the schedule, then again by `finish`
+        if not hasattr(self, "counted"):
+            self.counted = True
+            _REDUCTIONS.append((self.launched, len(self._buckets)))
+        return launch_rest(self)
+
+    ReadyBuckets.launch_rest = counted
+
+
 def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
     """Train each layout (model name, model kwargs, strategy kwargs[, trainer kwargs, where ``compile_backend``
     hands ``fit`` the model through ``torch.compile``]); return losses and the weights this rank owns."""
     _count_weight_actions()
+    _count_overlapped_reductions()
     results = {}
     for name, (model_name, model_kwargs, strategy_kwargs, *trainer_kwargs) in layouts.items():
         torch.manual_seed(0)
         weight_actions = _WEIGHT_ACTIONS[0]
+        del _REDUCTIONS[:]
         model = MODELS[model_name](**model_kwargs)
         recorder = _Losses()
         options = dict(*trainer_kwargs)
@@ -167,6 +194,7 @@ def _fit_layouts(rank: int, layouts: dict[str, tuple]) -> dict:
             "scale": getattr(optimizer, "loss_scale", None),
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],  # compiled so far in this rank
             "weight_actions": _WEIGHT_ACTIONS[0] - weight_actions,
+            "reductions": list(_REDUCTIONS),
         }
     return results
 
@@ -529,6 +557,10 @@ LAYOUTS_4 = {
     "gpt_pp4_zb": ("gpt", {}, {**PP4, **ZB}),
     "gpt_pp2_dp2_zb": ("gpt", {}, {**PP2_DP2, **ZB}),
     "gpt_pp2_dp2_zb_zero1": ("gpt", {}, {**PP2_DP2, **ZB, "shard_optimizer_state": True}),  # optimizer reduces
+    # two batches of 8 per step: the reference's batches of 16 (64 samples: 2 steps per epoch in both)
+    "gpt_pp2_dp2_accumulate": ("gpt", {"samples": 64}, PP2_DP2, {"accumulate_grad_batches": 2}),
+    "gpt_pp2_dp2_fp16": ("gpt", {}, {**PP2_DP2, **FP16}),
+    "gpt_pp2_dp2_checkpointed": ("gpt", {"checkpoint": "each"}, PP2_DP2),
     # each block checkpointed: W recomputes it again, replaying the tensor-parallel streams a second time
     "gpt_pp2_tp2_zb_checkpointed": ("gpt", {"checkpoint": "each", "batch_size": 4}, {**PP2_TP2, **ZB}),
 }
@@ -559,10 +591,48 @@ def test_pp4_sequential_cnn_matches_one_process(four_ranks):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_zb_zero1"])
+@pytest.mark.parametrize("name", ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_zb_zero1", "gpt_pp2_dp2_checkpointed"])
 def test_pp2_dp2_matches_one_process_on_the_global_batch(four_ranks, name):
     assert [r[name]["dp"] for r in four_ranks] == [0, 0, 1, 1]
     _check_against(_reference("gpt", {}, replicas=2), four_ranks, name)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "name",
+    ["gpt_pp2_dp2", "gpt_pp2_dp2_zb", "gpt_pp2_dp2_accumulate", "gpt_pp2_dp2_fp16", "gpt_pp2_dp2_checkpointed"],
+)
+def test_pp2_dp2_all_reduces_start_during_the_last_backwards(four_ranks, name):
+    # one overlapped reduction per optimizer step (none on the accumulation's first micro-steps), and every bucket
+    # of it started by the gradient hooks of a chunk's last backward or weight pass, none left for after the schedule
+    for rank in four_ranks:
+        reductions = rank[name]["reductions"]
+        assert len(reductions) == STEPS, name
+        assert all(during == total >= 1 for during, total in reductions), (name, reductions)
+    # with sharded optimizer state the optimizer reduces: the engine starts nothing
+    assert all(rank["gpt_pp2_dp2_zb_zero1"]["reductions"] == [] for rank in four_ranks)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_dp2_fp16_matches_one_process_with_the_same_skipped_steps(four_ranks):
+    reference = _reference("gpt", {}, replicas=2, fp16=True, init_scale=2.0**16)
+    assert reference["skipped"] > 0  # the check below means something
+    runs = [rank["gpt_pp2_dp2_fp16"] for rank in four_ranks]
+    for run in runs:
+        assert_same_overflow(run, reference)  # every rank skipped the same steps: one vote over the replicas
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
+
+
+@pytest.mark.timeout(300)
+def test_pp2_dp2_accumulating_gradients_matches_one_process_on_the_accumulated_batch(four_ranks):
+    # the step's gradients are all-reduced during its schedule, the earlier micro-step's after it: their sum is the
+    # average over the replicas of two batches of 8, which is one step on the reference's batches of 16
+    reference = _reference("gpt", {"batch_size": 16, "samples": 64}, replicas=2)
+    held: dict = {}
+    for rank in four_ranks:
+        if rank["gpt_pp2_dp2_accumulate"]["dp"] == 0:
+            held.update(rank["gpt_pp2_dp2_accumulate"]["weights"])
+    assert_tensors_close(held, reference["weights"], rtol=1e-4, atol=1e-5, label="gpt_pp2_dp2_accumulate")
 
 
 @pytest.mark.timeout(300)

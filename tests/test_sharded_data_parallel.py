@@ -5,7 +5,6 @@ Llama, against data parallelism clipping to the same norm."""
 
 import functools
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint, smp
 from lightning_smp.config import SMPConfig
-from tests.distributed import init_gloo, launch_once, run_distributed
+from tests.distributed import init_gloo, launch_once, run_distributed, run_process
 from tests.gpt import VOCAB, TinyGPT, token_batches
 from tests.models import TinyRegressor, quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process, single_device_run
@@ -374,9 +373,7 @@ def test_a_sharded_run_launched_by_lightning_exits_cleanly(tmp_path):
     script = tmp_path / "sharded_run.py"
     script.write_text(_LAUNCHED_SCRIPT)
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
-    result = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env, check=False
-    )
+    result = run_process([sys.executable, str(script)], timeout=180, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 trained" in result.stdout and "rank 1 trained" in result.stdout
     assert "terminate called" not in result.stderr

@@ -1,6 +1,5 @@
 import os
 import re
-import subprocess
 import sys
 import textwrap
 import warnings
@@ -14,7 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_smp import SMPStrategy, smp
 from lightning_smp.config import SMPConfig
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, run_process
 from tests.models import TinyRegressor, mlp, quiet_trainer, random_dataset
 
 _AXIS_HELPERS = tuple(f"{axis}_{what}" for axis in ("dp", "rdp", "pp", "tp", "mp") for what in ("rank", "size"))
@@ -234,15 +233,13 @@ def test_lightning_smps_own_log_lines_show_on_rank_zero_by_default():
         quiet_trainer(lightning_smp.SMPStrategy(), max_steps=1).fit(TinyRegressor())
         """
     )
-    shown = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=280)
+    shown = run_process([sys.executable, "-c", script], timeout=280)
     assert shown.returncode == 0, shown.stderr
     assert "an info line" in shown.stderr and "lightning_smp topology: dp=1 pp=1 tp=1" in shown.stderr
     other_rank = (
         "import logging, lightning_smp; log = logging.getLogger('lightning_smp.x'); log.info('i'); log.warning('w')"
     )
-    hidden = subprocess.run(
-        [sys.executable, "-c", other_rank], capture_output=True, text=True, timeout=200, env={**os.environ, "RANK": "1"}
-    )
+    hidden = run_process([sys.executable, "-c", other_rank], timeout=200, env={**os.environ, "RANK": "1"})
     assert hidden.stderr.splitlines() == ["w"]  # rank 1: warnings only
 
 

@@ -2,7 +2,6 @@
 
 import math
 import os
-import subprocess
 import sys
 import textwrap
 
@@ -12,7 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp import SMPStrategy
-from tests.distributed import run_distributed
+from tests.distributed import run_distributed, run_process
 from tests.models import TinyRegressor, quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process
 
@@ -186,9 +185,7 @@ _FORK_SCRIPT = textwrap.dedent(
 @pytest.mark.timeout(150)
 def test_the_fork_launched_name_trains_on_two_processes():
     env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": "."}
-    result = subprocess.run(
-        [sys.executable, "-c", _FORK_SCRIPT], capture_output=True, text=True, timeout=140, env=env, check=False
-    )
+    result = run_process([sys.executable, "-c", _FORK_SCRIPT], timeout=140, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world_size 2 trained True" in result.stdout
     assert "`max_steps=3` reached" in result.stderr

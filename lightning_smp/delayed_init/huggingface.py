@@ -14,7 +14,8 @@ come from and where they are put changes:
   too, so their initialisation is recorded, drawing from the generator as a single-device load does;
 - loading runs in the calling thread (``HF_DEACTIVATE_ASYNC_LOAD``), where the recording is.
 
-These are private names of transformers 5 (checked below; tests/test_pretrained.py fails when they change).
+The method is a private name of transformers 5, replaced through `lightning_smp._compat` (tests/test_compat.py and
+tests/test_pretrained.py fail when it changes).
 Checkpoints in ``torch.save`` format (``pytorch_model.bin``) load as transformers loads them, whole on every rank.
 """
 
@@ -28,6 +29,8 @@ from contextlib import ExitStack, contextmanager
 from typing import Any
 
 from torch import Tensor
+
+from lightning_smp._compat import hf_missing_keys_moved_by
 
 __all__ = ["loading_deferred"]
 
@@ -43,16 +46,13 @@ def loading_deferred() -> Iterator[None]:
         return
     from transformers import modeling_utils  # the package imports its submodules lazily
 
-    model_class = modeling_utils.PreTrainedModel
-    moves = model_class.__dict__.get("_move_missing_keys_from_meta_to_device")
-    if not callable(getattr(modeling_utils, "safe_open", None)) or moves is None:
-        yield  # another transformers: from_pretrained under delayed initialisation fails naming the tensor
-        return
     with ExitStack() as stack:
+        moved = stack.enter_context(hf_missing_keys_moved_by(_deferring))
+        if not callable(getattr(modeling_utils, "safe_open", None)) or not moved:
+            yield  # another transformers: from_pretrained under delayed initialisation fails naming the tensor
+            return
         stack.callback(setattr, modeling_utils, "safe_open", modeling_utils.safe_open)
         modeling_utils.safe_open = _DeferredSafeOpen
-        stack.callback(setattr, model_class, "_move_missing_keys_from_meta_to_device", moves)
-        model_class._move_missing_keys_from_meta_to_device = _deferring(moves)
         stack.callback(_restore_variable, os.environ.get(_ASYNC_LOAD_VARIABLE))
         os.environ[_ASYNC_LOAD_VARIABLE] = "1"
         yield

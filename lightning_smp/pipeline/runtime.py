@@ -9,17 +9,19 @@ weights in sync (pytorch #51931). The schedules are the same family (schedule.py
 
 Owns the schedule loop: the microbatch loop, forward and backward per action (a backward split in two where the
 plan has a W action for it, `split_backward`), and dividing the pipelined loss by the microbatches (the scale and the
-accumulation count applied by the precision plugin's callable). It hands
-the rest to one object each: the step's gradients wait in `HeldGradients` until Lightning's backward call,
-`StageGradientReduction` reduces them, `Results` records the last stage's outputs, logs and metrics and replays
-them on every stage, and the `PipelineLayout` says which parameters this stage trains. Not owned: the plans
-(partition.py, schedule.py, layout.py), routing inside the trunk (stage.py), messages (p2p.py).
+accumulation count applied by the precision plugin's callable). It hands the rest to one object each: the step's
+gradients wait in `HeldGradients` until Lightning's backward call, `StageGradientReduction` reduces them (on the
+last step of an accumulation its all-reduces start while the schedule runs: the engine arms them around each chunk's
+last backward), `Results` records the last stage's outputs, logs and metrics and replays them on every stage, and
+the `PipelineLayout` says which parameters this stage trains. Not owned: the plans (partition.py, schedule.py,
+layout.py), routing inside the trunk (stage.py), messages (p2p.py).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +31,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_smp.overlap import ReadyBuckets
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.held_gradients import HeldGradients
 from lightning_smp.pipeline.layout import PipelineLayout, learn_shared_owners
@@ -109,6 +112,7 @@ class _Step:
     training: bool
     scale_loss: Callable[..., Tensor] | None = None  # training: what a microbatch's backward starts from
     params: list[nn.Parameter] = field(default_factory=list)  # this stage's trained parameters
+    reduction: ReadyBuckets | None = None  # the last step of an accumulation: the replicas' all-reduce
     splitter: BackwardSplitter | None = None  # when the plan splits backwards
     live: dict[tuple[int, int], _Live] = field(default_factory=dict)
     weights: dict[tuple[int, int], WeightGradients] = field(default_factory=dict)  # W passes not run yet
@@ -149,6 +153,7 @@ class PipelineEngine:
         self._held = HeldGradients()
         self._results = Results(module)
         self._synced_once = False
+        self._reduction: ReadyBuckets | None = None  # started by the last training step, for `finish_backward`
 
     @property
     def plan(self) -> PartitionPlan:
@@ -187,18 +192,32 @@ class PipelineEngine:
         *,
         step: Callable[..., Any],
         scale_loss: Callable[..., Tensor],
+        sync: bool,
     ) -> Any:
         """Forward and backward of every microbatch of the batch ``args[0]``; returns the last stage's output
         (loss = mean over microbatches) on every stage. Each microbatch's backward starts from
         ``scale_loss(loss, divide_by=microbatches)`` (the precision plugin's `loss_scaling`: the loss scale and the
-        accumulation count are its). The gradients wait for `finish_backward`."""
+        accumulation count are its). The gradients wait for `finish_backward`; with ``sync`` (the last step of an
+        accumulation) their reduction over the replicas starts during the last backwards."""
         microbatches = split_batch(args[0], self._config.microbatches)
         params = self._trainable()
+        if self._reduction is not None:  # a step whose backward Lightning skipped: its reductions end here
+            self._reduction.finish()
+        self._reduction = self._reduce.start(trained=params, tied=self.tied_parameters) if sync else None
         state = _Step(
-            microbatches, tuple(args[1:]), dict(kwargs), step, training=True, scale_loss=scale_loss, params=params
+            microbatches,
+            tuple(args[1:]),
+            dict(kwargs),
+            step,
+            training=True,
+            scale_loss=scale_loss,
+            params=params,
+            reduction=self._reduction,
         )
         with self._held.collect(params):
             self._run(state)
+            if self._reduction is not None:
+                self._reduction.launch_rest()  # parameters no backward reached: their gradients as they are
         return self._share(state)
 
     def evaluation_step(self, args: tuple, kwargs: dict, *, step: Callable[..., Any]) -> Any:
@@ -221,10 +240,15 @@ class PipelineEngine:
         """Add the gradients of the last pipelined step to ``.grad`` (Lightning's backward call); with ``sync``
         (the last step of an accumulation) reduce them over tied stages and data-parallel replicas. Returns
         False when there was nothing pipelined to finish."""
+        reduction, self._reduction = self._reduction, None
+        if sync:
+            tied = {id(p) for p in self.tied_parameters}
+            earlier = [p.grad for p in self._trainable() if p.grad is not None and id(p) not in tied]
+            self._reduce.finish(reduction, earlier=earlier)
         if not self._held.release():
             return False
         if sync:
-            self._reduce(tied=self.tied_parameters, trained=self._trainable())
+            self._reduce.reduce_tied(self.tied_parameters)
             if not self._synced_once:
                 self._synced_once = True
                 self._layout = learn_shared_owners(
@@ -258,13 +282,17 @@ class PipelineEngine:
         split = {(a.microbatch, a.chunk) for a in plan if a.kind == schedules.WEIGHT}
         if split:
             state.splitter = BackwardSplitter(state.params)
-        for action in plan:
-            if action.kind == schedules.FORWARD:
-                self._forward(action, state, transport)
-            elif action.kind == schedules.BACKWARD:
-                self._backward(action, state, transport, split=(action.microbatch, action.chunk) in split)
-            else:
-                self._weight(action, state)
+        # a chunk's last backward or weight-gradient action makes its parameters' gradients final
+        last = {a.chunk: i for i, a in enumerate(plan) if a.kind in (schedules.BACKWARD, schedules.WEIGHT)}
+        finals = set(last.values()) if state.reduction is not None else set()
+        for index, action in enumerate(plan):
+            with state.reduction.armed() if index in finals else nullcontext():
+                if action.kind == schedules.FORWARD:
+                    self._forward(action, state, transport)
+                elif action.kind == schedules.BACKWARD:
+                    self._backward(action, state, transport, split=(action.microbatch, action.chunk) in split)
+                else:
+                    self._weight(action, state)
         transport.wait_sends()
 
     def _forward(self, action: schedules.Action, state: _Step, transport: Transport) -> None:

@@ -15,6 +15,7 @@ computed by the last chunk, on the last stage. With v = 1, chunk == stage.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ __all__ = [
     "peak_in_flight",
     "simulate",
     "zero_bubble",
+    "zero_bubble_h1",
 ]
 
 PIPELINES = ("simple", "interleaved", "zero_bubble")
@@ -95,16 +97,59 @@ def one_f_one_b(*, stages: int, stage: int, microbatches: int, active: int | Non
 
 
 def zero_bubble(*, stages: int, stage: int, microbatches: int, active: int | None = None) -> list[Action]:
-    """Ours, "zero_bubble": ZB-H1 (Qi et al. 2023, arXiv 2401.10241 §3), 1F1B with its backwards split.
+    """Ours, "zero_bubble": ZB-H1 (Qi et al. 2023, arXiv 2401.10241 §3), 1F1B with its backwards split where that
+    shortens the step.
 
     B (the input gradient, what the previous stage waits for) runs where `one_f_one_b` runs the backward; the W
     that follows it (the weight gradients) waits, and the held-back W's fill the time where 1F1B leaves a stage
-    idle, while the earlier stages finish their backwards. Each stage holds back as many W's as keep its live
-    microbatches (forward to W) at the first stage's peak under 1F1B, ``stages + 1`` (capped by ``active``): none
-    on the first stage, ``s`` on stage ``s``, ``stages`` on the last. It runs the oldest held W after each B once
-    more are held, the rest after its last B. The backwards travelling down the stages then carry B alone, so with
-    F = B = W the bubble is a third of 1F1B's, at 1F1B's peak of live microbatches over the stages. The warm-up is
-    `one_f_one_b`'s (one microbatch ahead). A stage that holds none runs each backward whole.
+    idle, while the earlier stages finish their backwards (`zero_bubble_h1`). A split backward costs more than a
+    whole one (its second pass through the graph), and most of ZB-H1's W's only trade places with the next B in
+    the steady state, where no stage idles: so, starting from ZB-H1's plans, each W in turn is merged back into
+    its B (the backward then runs whole) wherever `simulate` with F = B = W says the step does not get longer,
+    with messages free and with a latency (`_MERGE_COSTS`). At pp=2 with 8 microbatches 5 of the last stage's 8
+    backwards stay split, with 16, 8 of 16; the bubble is ZB-H1's, a third of 1F1B's. Plans with more than
+    ``MERGE_SEARCH_LIMIT`` held W's keep them all (the search would take seconds).
+    """
+    return list(_merged_zero_bubble(stages, microbatches, active)[stage])
+
+
+MERGE_SEARCH_LIMIT = 128
+"""The most held W's `zero_bubble` tries to merge back (two simulations of every stage's plan each: about a second
+at this limit)."""
+
+
+@functools.cache
+def _merged_zero_bubble(stages: int, microbatches: int, active: int | None) -> tuple[tuple[Action, ...], ...]:
+    plans = [zero_bubble_h1(stages=stages, stage=s, microbatches=microbatches, active=active) for s in range(stages)]
+    held = [(s, action) for s, plan in enumerate(plans) for action in plan if action.kind == WEIGHT]
+    if len(held) <= MERGE_SEARCH_LIMIT:
+        shortest = [simulate(plans, **costs).makespan for costs in _MERGE_COSTS]
+        for s, weight in held:
+            trial = [*plans[:s], [a for a in plans[s] if a != weight], *plans[s + 1 :]]
+            if all(
+                simulate(trial, **costs).makespan <= most for costs, most in zip(_MERGE_COSTS, shortest, strict=True)
+            ):
+                plans = trial
+    return tuple(tuple(plan) for plan in plans)
+
+
+_MERGE_COSTS = (
+    dict(forward_time=1.0, backward_time=2.0, weight_time=1.0),
+    dict(forward_time=1.0, backward_time=2.0, weight_time=1.0, latency=0.3),
+)
+"""The cost models a merged W must not lengthen the step under: F = B = W, with messages free and with messages
+taking 0.3 of a forward (held W's also fill the waits for messages, so latency keeps more of them)."""
+
+
+def zero_bubble_h1(*, stages: int, stage: int, microbatches: int, active: int | None = None) -> list[Action]:
+    """ZB-H1 as the paper builds it: every backward of a stage that holds W's back split.
+
+    Each stage holds back as many W's as keep its live microbatches (forward to W) at the first stage's peak under
+    1F1B, ``stages + 1`` (capped by ``active``): none on the first stage, ``s`` on stage ``s``, ``stages`` on the
+    last. It runs the oldest held W after each B once more are held, the rest after its last B. The backwards
+    travelling down the stages then carry B alone, so with F = B = W the bubble is a third of 1F1B's, at 1F1B's
+    peak of live microbatches over the stages. The warm-up is `one_f_one_b`'s (one microbatch ahead). A stage that
+    holds none runs each backward whole.
     """
     _check(stages=stages, stage=stage, microbatches=microbatches)
     cap = _cap(active, microbatches)
