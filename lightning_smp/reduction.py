@@ -5,10 +5,10 @@ Owns the decision (`plan_reduction`, pure: the strategy, the pipeline engine and
 package uses (`buckets`, `all_reduce_`). Four mechanisms, one per run: DDP's bucketed all-reduce overlapped with
 backward (plain data parallelism), the pipeline engine's all-reduce, started bucket by bucket during the
 schedule's last backwards (several backward passes per step, which DDP would reduce each; `overlap.ReadyBuckets`),
-ZeRO-1's reduce-scatter into each replica's share of the masters (`master_shard.ShardedMasters`), FSDP2's own
-reduce-scatter (sharded data parallelism). Not owned: running them (DDP and FSDP2 are torch's; the engine's in
-`pipeline/reduction.py`; ZeRO-1's in `master_shard.py`), the tied weights' reduction over the first and last
-stages (a pipeline concern, always the engine's).
+ZeRO-1's reduce-scatter into each replica's share of the masters, started bucket by bucket during the backward
+before a step (`master_shard.ShardedMasters`), FSDP2's own reduce-scatter (sharded data parallelism). Not owned:
+running them (DDP and FSDP2 are torch's; the engine's in `pipeline/reduction.py`; ZeRO-1's in `master_shard.py`),
+the tied weights' reduction over the first and last stages (a pipeline concern, always the engine's).
 """
 
 from __future__ import annotations
