@@ -5,6 +5,7 @@ dominates on two shared cores); the module-scoped fixtures hold their results an
 """
 
 import os
+import weakref
 from functools import partial
 
 import lightning.pytorch as pl
@@ -155,15 +156,24 @@ _REDUCTIONS: list[tuple[int, int]] = []  # per overlapped reduction: (buckets st
 
 def _count_overlapped_reductions() -> None:
     from lightning_smp.overlap import ReadyBuckets
+    from lightning_smp.pipeline.reduction import StageGradientReduction
 
-    launch_rest = ReadyBuckets.launch_rest
+    start, launch_rest = StageGradientReduction.start, ReadyBuckets.launch_rest
+    engines = weakref.WeakSet()  # the engine's reductions (ZeRO-1's optimizer has its own ReadyBuckets)
+
+    def started(self, **kwargs):
+        ready = start(self, **kwargs)
+        if ready is not None:
+            engines.add(ready)
+        return ready
 
     def counted(self):  # first called after the schedule, then again by `finish`
-        if not hasattr(self, "counted"):
+        if self in engines and not hasattr(self, "counted"):
             self.counted = True
             _REDUCTIONS.append((self.launched, len(self._buckets)))
         return launch_rest(self)
 
+    StageGradientReduction.start = started
     ReadyBuckets.launch_rest = counted
 
 
