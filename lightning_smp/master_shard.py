@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from lightning_smp._compat import foreach_copy_, foreach_zero_
 from lightning_smp.grad_vote import Counted, norm_copies
 from lightning_smp.overlap import Launched, ReadyBuckets
-from lightning_smp.reduction import BUCKET_BYTES, buckets
+from lightning_smp.reduction import BUCKET_BYTES, backward_buckets
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -299,7 +299,7 @@ class ShardedMasters:
         rank = dist.get_rank(group)
         self._buckets: list[_Bucket] = []
         self._pieces: list[_Piece] = []
-        for same in _backward_ordered_buckets(self.params, bucket_bytes):
+        for same in backward_buckets(self.params, max_bytes=bucket_bytes):
             dtype = same[0].dtype
             total = sum(p.numel() for p in same)
             share = max(1, math.ceil(total / self._replicas))
@@ -468,15 +468,6 @@ def single_device(params: Sequence[Tensor]) -> torch.device:
             "one device. Move the model to one device before building the optimizer."
         )
     return devices.pop() if devices else torch.device("cpu")
-
-
-def _backward_ordered_buckets(params: Sequence[Tensor], max_bytes: float) -> list[list[Tensor]]:
-    """``params`` in `reduction.buckets` of at most ``max_bytes``, taken in reverse (forward uses the parameters
-    roughly in their order, so backward finishes the last ones first), the buckets ordered by when their last
-    parameter is reached in that reverse order: bucket 0 is the first whose gradients are all final."""
-    backward = list(reversed(params))
-    position = {id(p): i for i, p in enumerate(backward)}
-    return sorted(buckets(backward, max_bytes=max_bytes), key=lambda bucket: max(position[id(p)] for p in bucket))
 
 
 def _nothing() -> None:

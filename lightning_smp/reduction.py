@@ -2,13 +2,14 @@
 
 Owns the decision (`plan_reduction`, pure: the strategy, the pipeline engine and the precision plugin read its
 `ReductionPlan` instead of asking the config again) and the one bucketing rule every coalesced collective of the
-package uses (`buckets`, `all_reduce_`). Four mechanisms, one per run: DDP's bucketed all-reduce overlapped with
-backward (plain data parallelism), the pipeline engine's all-reduce, started bucket by bucket during the
-schedule's last backwards (several backward passes per step, which DDP would reduce each; `overlap.ReadyBuckets`),
-ZeRO-1's reduce-scatter into each replica's share of the masters, started bucket by bucket during the backward
-before a step (`master_shard.ShardedMasters`), FSDP2's own reduce-scatter (sharded data parallelism). Not owned:
-running them (DDP and FSDP2 are torch's; the engine's in `pipeline/reduction.py`; ZeRO-1's in `master_shard.py`),
-the tied weights' reduction over the first and last stages (a pipeline concern, always the engine's).
+package uses (`buckets`, `backward_buckets`, `start_all_reduce`, `all_reduce_`). Four mechanisms, one per run:
+DDP's bucketed all-reduce overlapped with backward (plain data parallelism), the pipeline engine's all-reduce,
+started bucket by bucket during the schedule's last backwards (several backward passes per step, which DDP would
+reduce each; `overlap.ReadyBuckets`), ZeRO-1's reduce-scatter into each replica's share of the masters, started
+bucket by bucket during the backward before a step (`master_shard.ShardedMasters`), FSDP2's own reduce-scatter
+(sharded data parallelism). Not owned: running them (DDP and FSDP2 are torch's; the engine's in
+`pipeline/reduction.py`; ZeRO-1's in `master_shard.py`), the tied weights' reduction over the first and last
+stages (a pipeline concern, always the engine's).
 """
 
 from __future__ import annotations
@@ -22,12 +23,22 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_smp._compat import flatten_dense_tensors, foreach_copy_, unflatten_dense_tensors
+from lightning_smp.overlap import Launched
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
     from lightning_smp.topology import Topology
 
-__all__ = ["BUCKET_BYTES", "Mechanism", "ReductionPlan", "all_reduce_", "buckets", "plan_reduction"]
+__all__ = [
+    "BUCKET_BYTES",
+    "Mechanism",
+    "ReductionPlan",
+    "all_reduce_",
+    "backward_buckets",
+    "buckets",
+    "plan_reduction",
+    "start_all_reduce",
+]
 
 Mechanism = Literal["none", "ddp", "pipeline", "reduce_scatter", "fsdp2"]
 
@@ -117,14 +128,31 @@ def buckets(tensors: Sequence[Tensor], *, max_bytes: float = BUCKET_BYTES) -> li
     return [bucket for lists in by_kind.values() for bucket in lists if bucket]
 
 
+def backward_buckets(params: Sequence[Tensor], *, max_bytes: float = BUCKET_BYTES) -> list[list[Tensor]]:
+    """``params`` in `buckets` of at most ``max_bytes``, taken in reverse (forward uses the parameters roughly in
+    their order, so backward finishes the last ones first), the buckets ordered by when their last parameter is
+    reached in that reverse order: bucket 0 is the first whose gradients are all final (`overlap.ReadyBuckets`)."""
+    backward = list(reversed(params))
+    position = {id(p): i for i, p in enumerate(backward)}
+    return sorted(buckets(backward, max_bytes=max_bytes), key=lambda bucket: max(position[id(p)] for p in bucket))
+
+
+def start_all_reduce(tensors: Sequence[Tensor], group: dist.ProcessGroup, *, divide_by: int = 1) -> Launched:
+    """Start summing ``tensors`` (one bucket) over ``group`` as one flat collective, divided by ``divide_by`` first
+    (DDP averages that way: the sum of the quotients, in the tensors' dtype); completing it writes the sums back."""
+    flat = flatten_dense_tensors(tensors)
+    if divide_by > 1:
+        flat.div_(divide_by)
+    work = dist.all_reduce(flat, group=group, async_op=True)
+    return Launched(work, lambda: foreach_copy_(tensors, list(unflatten_dense_tensors(flat, tensors))))
+
+
 def all_reduce_(
     tensors: Sequence[Tensor], group: dist.ProcessGroup, *, divide_by: int = 1, max_bytes: int = BUCKET_BYTES
 ) -> None:
-    """Sum ``tensors`` over ``group`` in place, one flat bucket (`buckets`) per collective; divided by
-    ``divide_by`` first (DDP averages that way: the sum of the quotients, in the tensors' dtype)."""
+    """Sum ``tensors`` over ``group`` in place, one flat bucket (`buckets`) per collective (`start_all_reduce`),
+    waited for before the next."""
     for bucket in buckets(tensors, max_bytes=max_bytes):
-        flat = flatten_dense_tensors(bucket)
-        if divide_by > 1:
-            flat.div_(divide_by)
-        dist.all_reduce(flat, group=group)
-        foreach_copy_(bucket, list(unflatten_dense_tensors(flat, bucket)))
+        launched = start_all_reduce(bucket, group, divide_by=divide_by)
+        launched.work.wait()
+        launched.complete()

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_smp.config import SMPConfig
-from lightning_smp.reduction import buckets, plan_reduction
+from lightning_smp.reduction import backward_buckets, buckets, plan_reduction
 
 
 def _topology(*, dp: int, pp: int = 1, device_type: str = "cpu") -> SimpleNamespace:
@@ -48,3 +48,15 @@ def test_buckets_keep_order_per_dtype_and_cap_bytes():
     split = buckets([a, c, d, a], max_bytes=16)
     assert [[t.numel() for t in bucket] for bucket in split] == [[4], [4], [100], [4]]
     assert len(buckets([a, c, d], max_bytes=float("inf"))) == 1
+
+
+def test_backward_buckets_put_first_the_bucket_backward_finishes_first():
+    # forward order: a half layer, then two fp32 layers; backward finishes the last fp32 layer first
+    half, first, last = torch.zeros(4, dtype=torch.float16), torch.zeros(4), torch.zeros(4)
+    assert [[id(t) for t in b] for b in backward_buckets([half, first, last], max_bytes=16)] == [
+        [id(last)],
+        [id(first)],
+        [id(half)],
+    ]
+    # one bucket per dtype: the fp32 one is complete before the half one
+    assert [[id(t) for t in b] for b in backward_buckets([half, first, last])] == [[id(last), id(first)], [id(half)]]

@@ -19,12 +19,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_smp._compat import flatten_dense_tensors, foreach_copy_, unflatten_dense_tensors
 from lightning_smp.overlap import Launched, ReadyBuckets
-from lightning_smp.reduction import ReductionPlan, all_reduce_, buckets
+from lightning_smp.reduction import ReductionPlan, all_reduce_, backward_buckets, start_all_reduce
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
@@ -48,18 +46,15 @@ class StageGradientReduction:
         if not self._plan.engine_reduces:
             return None
         tied_ids = {id(p) for p in tied}
-        params = [p for p in reversed(trained) if id(p) not in tied_ids]
-        in_buckets = buckets(params, max_bytes=self._plan.bucket_bytes)
+        params = [p for p in trained if id(p) not in tied_ids]
+        in_buckets = backward_buckets(params, max_bytes=self._plan.bucket_bytes)
         group = self._topology.group(self._plan.axis)
 
         def launch(index: int) -> Launched:
             grads = [p.grad for p in in_buckets[index] if p.grad is not None]
             if not grads:
                 return Launched(None, lambda: None)
-            flat = flatten_dense_tensors(grads)
-            flat.div_(self._plan.replicas)
-            work = dist.all_reduce(flat, group=group, async_op=True)
-            return Launched(work, lambda: foreach_copy_(grads, list(unflatten_dense_tensors(flat, grads))))
+            return start_all_reduce(grads, group, divide_by=self._plan.replicas)
 
         return ReadyBuckets(in_buckets, launch)
 
