@@ -162,25 +162,32 @@ def fit_blocks(
     trainer.fit(Blocks(), train_dataloaders=loader)
 
 
-def timed_fit(args: argparse.Namespace, strategy: Any, **fit_options: Any) -> float:
-    """`fit_blocks` for ``--warmup`` + ``--steps`` steps; the median seconds from one ``on_train_batch_start`` to
-    the next over the steps after warm-up (Lightning's loop, hooks and the optimizer step included)."""
+def timed_fit(
+    args: argparse.Namespace,
+    strategy: Any,
+    *,
+    clocks: tuple[Callable[[], float], ...] = (time.perf_counter,),
+    **fit_options: Any,
+) -> list[float]:
+    """`fit_blocks` for ``--warmup`` + ``--steps`` steps; per clock (wall time by default; ``time.process_time`` for
+    this process's CPU seconds, all its threads), the median seconds from one ``on_train_batch_start`` to the next
+    over the steps after warm-up (Lightning's loop, hooks and the optimizer step included)."""
     from lightning.pytorch.callbacks import Callback
 
     class StepTimes(Callback):
         def __init__(self) -> None:
-            self.starts: list[float] = []
+            self.starts: list[list[float]] = []
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.starts.append(time.perf_counter())
+            self.starts.append([clock() for clock in clocks])
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.starts.append(time.perf_counter())
+            self.starts.append([clock() for clock in clocks])
 
     timer = StepTimes()
     fit_blocks(args, strategy, args.warmup + args.steps, callbacks=[timer], **fit_options)
-    steps = [b - a for a, b in zip(timer.starts, timer.starts[1:], strict=False)]
-    return statistics.median(steps[args.warmup :])
+    steps = list(zip(timer.starts, timer.starts[1:], strict=False))[args.warmup :]
+    return [statistics.median(end[i] - start[i] for start, end in steps) for i in range(len(clocks))]
 
 
 def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
@@ -199,7 +206,7 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
                 active_microbatches=m if active else None,
                 virtual_stages=virtual_stages,
             )
-            result[(name, m)] = timed_fit(args, strategy)
+            (result[(name, m)],) = timed_fit(args, strategy)
     out.put((rank, result))
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import statistics
 import sys
 import time
 from typing import Any
@@ -63,30 +62,10 @@ def _smp(rank: int, args: argparse.Namespace, out: Any) -> None:
 
     result = {}
     for name, shard in (("smp_dp", False), ("smp_zero1", True)):
-        result[name], result[f"{name}_cpu"] = _timed_fit(args, SMPStrategy(shard_optimizer_state=shard))
+        strategy = SMPStrategy(shard_optimizer_state=shard)
+        clocks = (time.perf_counter, time.process_time)  # wall, and this process's CPU seconds (gloo's threads too)
+        result[name], result[f"{name}_cpu"] = bench.timed_fit(args, strategy, clocks=clocks, optimizer=_adamw)
     out.put((rank, result))
-
-
-def _timed_fit(args: argparse.Namespace, strategy: Any) -> tuple[float, float]:
-    """`pipeline_bench.fit_blocks` with AdamW for ``--warmup`` + ``--steps`` steps: the median wall and CPU
-    seconds (this process's, all threads) from one ``on_train_batch_start`` to the next after warm-up."""
-    from lightning.pytorch.callbacks import Callback
-
-    class StepTimes(Callback):
-        def __init__(self) -> None:
-            self.starts: list[tuple[float, float]] = []
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            self.starts.append((time.perf_counter(), time.process_time()))
-
-        def on_train_end(self, trainer: Any, pl_module: Any) -> None:
-            self.starts.append((time.perf_counter(), time.process_time()))
-
-    timer = StepTimes()
-    bench.fit_blocks(args, strategy, args.warmup + args.steps, callbacks=[timer], optimizer=_adamw)
-    steps = list(zip(timer.starts, timer.starts[1:], strict=False))[args.warmup :]
-    wall = statistics.median(end[0] - start[0] for start, end in steps)
-    return wall, statistics.median(end[1] - start[1] for start, end in steps)
 
 
 def _torch(rank: int, args: argparse.Namespace, out: Any) -> None:
