@@ -156,3 +156,12 @@ def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path
     assert row["layout"] == "tp2" and len(row["ranks"]) == 2
     for rank in row["ranks"]:
         assert _positive(rank["kept"]) and rank["peak"] >= rank["peak_after_loading"] >= rank["rss_before_fit"]
+
+
+def test_split_backward_cost_reports_both_passes_against_the_whole_backward(tmp_path: Path) -> None:
+    out = tmp_path / "split.json"
+    run_benchmark("split_backward_cost.py", "--widths", "8,16", "--repeats", "3", "--out", str(out))
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["width"] for row in rows] == [8, 16]
+    for row in rows:
+        assert all(_positive(row[key]) for key in ("whole_ms", "input_pass_ms", "weight_pass_ms", "split_over_whole"))

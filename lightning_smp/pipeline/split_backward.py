@@ -14,9 +14,10 @@ order the whole backward meets them. So no node computes the same gradient twice
 it costs bookkeeping: the walk, a hook per intermediate, and one engine call per group where a whole backward makes
 one per microbatch (the calls skip ``torch.autograd.backward``'s Python checks of the gradients, which cost as much
 as the engine call on a small layer: `_compat.accumulate_gradients`). On one stage of `benchmarks/pipeline_bench.py`
-(4 x Linear(512), 32 rows, one thread, 2-vCPU machine) both parts take 1.2-1.3x the CPU time of the whole backward,
-1.06-1.14x at width 1024. Without an activation that needs a gradient (the first stage) the input pass does nothing
-and the weight pass is the whole backward. Not owned: when each part runs (the plan, `schedule.zero_bubble`).
+(4 x Linear(512), 32 rows, one thread, 2-vCPU machine) both parts take 1.19-1.22x the CPU time of the whole
+backward, 1.06-1.23x at width 1024 (`benchmarks/split_backward_cost.py`). Without an activation that needs a
+gradient (the first stage) the input pass does nothing and the weight pass is the whole backward. Not owned: when
+each part runs (the plan, `schedule.zero_bubble`).
 """
 
 from __future__ import annotations
