@@ -5,8 +5,11 @@ lightning_smp reaches into torch, Lightning and torchmetrics where they offer no
 foreach kernels, a module's parameter table, ...). Each such use is a name here, with the version of the library
 it was checked against; no other module of the package touches a private name of another library
 (``tests/test_compat.py`` checks that, and checks each entry against the installed libraries, so an upgrade that
-changes one fails there, by name, rather than somewhere inside a run). When upgrading a library, run that test
-first and update the entries and their "checked" versions together.
+changes one fails there, by name, rather than somewhere inside a run). `CHECKED_VERSIONS` says, per library, the
+versions the entries were checked on: the oldest and the newest that CI ran (setup.cfg declares the same ranges,
+and test_compat fails first, naming the library, when an installed version is outside them). docs/contributing.md
+says how to raise a bound: run both CI jobs at the new version, fix what fails here, bump the range here and in
+setup.cfg together, record the run's versions in constraints.txt.
 
 Three overrides of protected hooks stay in their subclasses, where Python puts them (the test checks that the
 bases still have them): ``SMPStrategy._setup_model`` (``DDPStrategy``'s, to wrap in DDP over the data-parallel
@@ -16,6 +19,7 @@ group), the ``precision_plugin`` property's storage ``_precision_plugin`` (``Str
 
 from __future__ import annotations
 
+import importlib.metadata
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
@@ -39,6 +43,8 @@ from torchmetrics import Metric
 
 __all__ = [
     "ATEN_TO_COPY",
+    "CHECKED_VERSIONS",
+    "HF_USE_KERNELS",
     "INITS_THAT_SKIP_META",
     "MODULE_TABLES",
     "REBUILD_TENSOR",
@@ -48,6 +54,7 @@ __all__ = [
     "TorchDispatchMode",
     "accumulate_gradients",
     "after_closure",
+    "attached_trainer",
     "buffer_table",
     "canonical_mask",
     "ddp_kwargs",
@@ -65,6 +72,7 @@ __all__ = [
     "forward_redirection",
     "hf_missing_keys_moved_by",
     "install_sigterm_hooks",
+    "installed_version",
     "mark_sigterm_received",
     "module_table",
     "non_finite_check_and_unscale_",
@@ -91,7 +99,25 @@ __all__ = [
     "zip_file_writer",
 ]
 
-# -- torch (checked: 2.13.0) -----------------------------------------------------------------------------------
+CHECKED_VERSIONS = {
+    "torch": ">=2.13,<2.14",
+    "lightning": ">=2.6,<2.7",
+    "torchmetrics": ">=1.4,<1.10",
+    "transformers": ">=5.24,<5.26",
+}
+"""The versions of each library whose private names or defaults are used below, as the oldest and the newest CI
+ran them; setup.cfg declares exactly these ranges (tests/test_compat.py checks both)."""
+
+
+def installed_version(distribution: str) -> str:
+    """The installed version of a distribution, or "not installed"."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+# -- torch ---------------------------------------------------------------------------------------------------------
 
 # The foreach kernels torch's own optimizers use (one launch per list, not per tensor); no public alias exists.
 foreach_copy_ = torch._foreach_copy_
@@ -215,7 +241,7 @@ def unflatten_mesh(mesh: Any, dim: int, sizes: tuple[int, ...], names: tuple[str
     return mesh._unflatten(dim, sizes, names)
 
 
-# -- Lightning (checked: 2.6.6) --------------------------------------------------------------------------------
+# -- Lightning -----------------------------------------------------------------------------------------------------
 
 sync_ddp_if_available = _sync_ddp_if_available
 """``(tensor, group, reduce_op)``: what ``DDPStrategy.reduce`` runs, over any group."""
@@ -260,24 +286,10 @@ def install_sigterm_hooks(
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = before_step
 
 
-@contextmanager
-def hf_missing_keys_moved_by(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Generator[bool, None, None]:
-    """For the block, transformers' ``PreTrainedModel._move_missing_keys_from_meta_to_device`` (``from_pretrained``
-    puts the keys a checkpoint lacks and the non-persistent buffers on the CPU with it, before initialising them)
-    replaced by ``wrap(that method)``; yields False, replacing nothing, where transformers has no such method.
-    Checked against transformers 5.24."""
-    from transformers import modeling_utils  # the package imports its submodules lazily
-
-    model_class = modeling_utils.PreTrainedModel
-    moves = model_class.__dict__.get("_move_missing_keys_from_meta_to_device")
-    if moves is None:
-        yield False
-        return
-    model_class._move_missing_keys_from_meta_to_device = wrap(moves)
-    try:
-        yield True
-    finally:
-        model_class._move_missing_keys_from_meta_to_device = moves
+def attached_trainer(module: Any) -> pl.Trainer | None:
+    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none); None for
+    any other module."""
+    return getattr(module, "_trainer", None)
 
 
 def mark_sigterm_received(trainer: pl.Trainer) -> None:
@@ -305,7 +317,7 @@ def replaced_log(module: pl.LightningModule, log: Callable[..., None]) -> Genera
         module.__dict__.pop("log", None)
 
 
-# -- torchmetrics (checked: 1.9.0) -----------------------------------------------------------------------------
+# -- torchmetrics --------------------------------------------------------------------------------------------------
 
 
 def set_metric_step_value(metric: Metric, value: Any) -> None:
@@ -320,7 +332,7 @@ def set_metric_update_count(metric: Metric, count: int) -> None:
     metric._update_count = count
 
 
-# -- torch.optim.lr_scheduler (checked: torch 2.13.0) ------------------------------------------------------------
+# -- torch.optim.lr_scheduler --------------------------------------------------------------------------------------
 
 
 def replace_scheduler_methods(
@@ -337,3 +349,32 @@ def scheduler_state_without(state: dict[str, Any], replaced: tuple[str, ...]) ->
     """A torch scheduler's ``state_dict`` (its ``__dict__``) without the instance attributes that replaced its
     methods (`replace_scheduler_methods`): functions, which a checkpoint must not hold."""
     return {key: value for key, value in state.items() if key not in replaced}
+
+
+# -- transformers --------------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def hf_missing_keys_moved_by(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Generator[bool, None, None]:
+    """For the block, transformers' ``PreTrainedModel._move_missing_keys_from_meta_to_device`` (``from_pretrained``
+    puts the keys a checkpoint lacks and the non-persistent buffers on the CPU with it, before initialising them)
+    replaced by ``wrap(that method)``; yields False, replacing nothing, where transformers has no such method.
+    """
+    from transformers import modeling_utils  # the package imports its submodules lazily
+
+    model_class = modeling_utils.PreTrainedModel
+    moves = model_class.__dict__.get("_move_missing_keys_from_meta_to_device")
+    if moves is None:
+        yield False
+        return
+    model_class._move_missing_keys_from_meta_to_device = wrap(moves)
+    try:
+        yield True
+    finally:
+        model_class._move_missing_keys_from_meta_to_device = moves
+
+
+HF_USE_KERNELS = "use_kernels"
+"""``from_pretrained``'s keyword for Hugging Face hub kernels. transformers 5.25 turned them on by default (``None``
+means on unless ``USE_HUB_KERNELS`` says no), so a model loaded under delayed initialisation was kernelized while on
+the meta device; `delayed_init.huggingface` passes False."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_smp import activation_checkpointing
-from lightning_smp._compat import flash_attention_for_cpu, tree_map
+from lightning_smp._compat import attached_trainer, flash_attention_for_cpu, tree_map
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline.microbatch import split_batch
 from lightning_smp.pipeline.partition import find_trunk
@@ -189,7 +189,7 @@ def _meta_copy(model: nn.Module) -> nn.Module:
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
     for buffer in {id(b): b for b in model.buffers()}.values():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    trainer = getattr(model, "_trainer", None)
+    trainer = attached_trainer(model)
     if trainer is not None:
         memo[id(trainer)] = None
     try:

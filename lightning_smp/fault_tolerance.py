@@ -72,7 +72,7 @@ class SchedulerSignal:
     """
 
     def __init__(self) -> None:
-        self._trainer: pl.Trainer | None = None
+        self._watched: pl.Trainer | None = None
         self._noted = False
         self._vote: tuple[dist.Work, Tensor] | None = None
         self._mirror: HostMirror | None = None
@@ -81,7 +81,7 @@ class SchedulerSignal:
         self._voted_at = 0.0
 
     def install(self, trainer: pl.Trainer) -> None:
-        self._trainer, self._noted, self._vote = trainer, False, None
+        self._watched, self._noted, self._vote = trainer, False, None
         self._steps_between_votes, self._steps_to_vote = 1, 0
         if trainer.world_size > 1:
             install_sigterm_hooks(trainer, on_signal=self._note, before_step=self._agree)
@@ -93,7 +93,7 @@ class SchedulerSignal:
         self._vote = None
 
     def _note(self, signum: int, frame: Any) -> None:
-        trainer = self._trainer
+        trainer = self._watched
         log.info("lightning_smp: rank %d received signal %d", trainer.global_rank, signum)
         if not self._noted and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)
@@ -107,7 +107,7 @@ class SchedulerSignal:
         self._steps_to_vote -= 1
         if self._steps_to_vote > 0:
             return
-        trainer = self._trainer
+        trainer = self._watched
         now = time.monotonic()
         seconds_per_step = 0.0
         if self._vote is not None:

@@ -5,6 +5,7 @@ Each test names the entry it checks, so an upgrade that renames or changes one f
 """
 
 import ast
+import importlib.util
 import inspect
 import math
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from packaging.specifiers import SpecifierSet
 from torch import nn
 from torchmetrics.aggregation import SumMetric
 
@@ -31,8 +33,26 @@ _FOREIGN = {
     "_optimizer",
     "_parameters",
     "_signal_connector",
+    "_trainer",
     "_update_count",
 }
+# Names with a leading underscore that are a library's documented API, not private: a namedtuple's fields.
+_DOCUMENTED = {"_fields", "_asdict", "_replace"}
+
+
+# -- the versions the entries were checked on --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("library", sorted(_compat.CHECKED_VERSIONS))
+def test_the_installed_version_is_one_the_entries_were_checked_on(library):
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed")
+    version, checked = _compat.installed_version(library), _compat.CHECKED_VERSIONS[library]
+    assert SpecifierSet(checked).contains(version, prereleases=True), (
+        f"{library} {version} is installed, but lightning_smp/_compat.py's entries were checked on {library}{checked}: "
+        f"run this file and the `--oldest` job with {library} {version}, mend what fails, then raise the bound in "
+        "_compat.CHECKED_VERSIONS and setup.cfg together (docs/contributing.md, 'Raising a dependency's bound')"
+    )
 
 
 # -- the rule ------------------------------------------------------------------------------------------------------
@@ -82,7 +102,15 @@ def _private_uses(path: Path, ours: set[str]) -> list[str]:
             attr = node.attr
             if attr.startswith("_") and not attr.startswith("__") and attr not in ours:
                 found.append(f"{path.name}:{node.lineno} .{attr}")
+        elif isinstance(node, ast.Call) and _reads_attribute_by_name(node.func) and _constant_name(node):
+            attr = node.args[1].value  # getattr(obj, "_name"), hasattr(...), setattr(...), delattr(...)
+            if attr.startswith("_") and not attr.startswith("__") and attr not in ours | _DOCUMENTED:
+                found.append(f'{path.name}:{node.lineno} "{attr}"')
     return found
+
+
+def _reads_attribute_by_name(func: ast.expr) -> bool:
+    return isinstance(func, ast.Name) and func.id in ("getattr", "hasattr", "setattr", "delattr")
 
 
 def test_no_module_but_compat_touches_another_librarys_private_names():
@@ -97,8 +125,9 @@ def test_the_rule_finds_a_private_access(tmp_path):
     sample = tmp_path / "sample.py"
     sample.write_text(
         "import torch\nfrom torch.utils._pytree import tree_map\nx = torch._foreach_norm\ny = m._parameters\n"
+        'z = getattr(m, "_trainer", None)\nw = hasattr(t, "_fields")\n'
     )
-    assert len(_private_uses(sample, _our_private_names())) == 3
+    assert len(_private_uses(sample, _our_private_names())) == 4
 
 
 # -- torch (2.13.0) ------------------------------------------------------------------------------------------------
@@ -263,6 +292,12 @@ def test_transformers_missing_keys_mover_replaced_for_the_block():
     assert model_class._move_missing_keys_from_meta_to_device is original
 
 
+def test_transformers_turns_hub_kernels_on_unless_told_not_to():
+    modeling_utils = pytest.importorskip("transformers.modeling_utils")
+    source = inspect.getsource(modeling_utils.PreTrainedModel.from_pretrained)
+    assert f'kwargs.pop("{_compat.HF_USE_KERNELS}"' in source  # the keyword `delayed_init.huggingface` passes
+
+
 def test_lightning_sigterm_hooks():
     from lightning.pytorch.loops import training_epoch_loop
     from lightning.pytorch.trainer.connectors import signal_connector
@@ -286,6 +321,14 @@ def test_lightning_child_process_observer():
     source = inspect.getsource(subprocess_script._ChildProcessObserver)
     assert 'name="child-process-observer"' in source and "self._finished = self._run()" in source
     _compat.stop_child_process_observer()  # none running here: a no-op
+
+
+def test_lightning_trainer_a_module_is_attached_to():
+    module = pl.LightningModule()
+    assert _compat.attached_trainer(module) is None and _compat.attached_trainer(nn.Linear(1, 1)) is None
+    trainer = _trainer()
+    module.trainer = trainer
+    assert _compat.attached_trainer(module) is trainer
 
 
 def test_lightning_log_replaced_on_the_instance():

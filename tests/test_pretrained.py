@@ -24,6 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint, load_weights, smp
 from lightning_smp.checkpoint import CheckpointError
+from lightning_smp.delayed_init import deferred_init
+from lightning_smp.delayed_init.huggingface import PretrainedLoadingError
 from lightning_smp.materialization import cut_of
 from lightning_smp.placement import Cut
 from lightning_smp.weights import open_state_dict
@@ -345,3 +347,32 @@ def test_a_consolidated_checkpoint_that_does_not_fit_is_refused_naming_the_entri
         _fit(_GPT(), SMPStrategy(), ckpt_path=str(tmp_path / "shape.ckpt"))
     with pytest.raises(CheckpointError, match=rf"(?s)1 entries the checkpoint lacks: {key}.*strict_loading = False"):
         _fit(_GPT(), SMPStrategy(), ckpt_path=str(tmp_path / "short.ckpt"))
+
+
+# -- transformers' defaults under delayed initialisation ---------------------------------------------------------------
+
+
+def test_hub_kernels_stay_off_and_from_pretrained_is_left_as_it_was(checkpoints):
+    """transformers 5.25 turned hub kernels on by default: under delayed initialisation nothing is kernelized (it
+    would run on the meta device, and download kernels); outside the block from_pretrained is transformers' own."""
+    original = vars(transformers.PreTrainedModel)["from_pretrained"]
+    with deferred_init():
+        model = transformers.LlamaForCausalLM.from_pretrained(checkpoints["llama"])
+    assert not getattr(model, "use_kernels", False)
+    assert vars(transformers.PreTrainedModel)["from_pretrained"] is original
+
+
+def test_use_kernels_true_is_refused_with_the_way_out(checkpoints):
+    with deferred_init(), pytest.raises(PretrainedLoadingError, match=r"Drop use_kernels=True"):
+        transformers.LlamaForCausalLM.from_pretrained(checkpoints["llama"], use_kernels=True)
+
+
+def test_a_new_default_failing_on_meta_names_transformers_version_and_the_fix(checkpoints, monkeypatch):
+    def kernelize_on_meta(self, *args, **kwargs):  # what transformers 5.25's default did under delayed init
+        raise ValueError("Unsupported device type 'meta'. Supported device types are: cpu, cuda")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "set_use_kernels", kernelize_on_meta)
+    expected = rf"transformers {transformers.__version__}'s from_pretrained failed on the meta device.*pip install"
+    with deferred_init(), pytest.raises(PretrainedLoadingError, match=expected) as caught:
+        transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"])
+    assert isinstance(caught.value.__cause__, ValueError)

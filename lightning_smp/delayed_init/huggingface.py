@@ -12,10 +12,17 @@ come from and where they are put changes:
 - the missing keys and non-persistent buffers (a rotary table) that
   ``PreTrainedModel._move_missing_keys_from_meta_to_device`` puts on the CPU before initialising them are deferred
   too, so their initialisation is recorded, drawing from the generator as a single-device load does;
-- loading runs in the calling thread (``HF_DEACTIVATE_ASYNC_LOAD``), where the recording is.
+- loading runs in the calling thread (``HF_DEACTIVATE_ASYNC_LOAD``), where the recording is;
+- hub kernels stay off (``use_kernels=False`` unless the caller passes it): transformers 5.25 turned them on by
+  default, and ``kernelize`` on a model whose tensors are all on the meta device fails (and would download kernels
+  at run time); ``use_kernels=True`` is refused with the way out, since kernelizing happens before each rank has
+  materialised its part and no kernel is checked under a split layout;
+- any other error of ``from_pretrained`` that names the meta device becomes one that names transformers' version,
+  the versions lightning_smp was tested with, and the fix: a new default of a new release meeting delayed
+  initialisation, as 5.25's kernels did.
 
 The method is a private name of transformers 5, replaced through `lightning_smp._compat` (tests/test_compat.py and
-tests/test_pretrained.py fail when it changes).
+tests/test_pretrained.py fail when it changes), and so is the kernels default (`_compat.HF_USE_KERNELS`).
 Checkpoints in ``torch.save`` format (``pytorch_model.bin``) load as transformers loads them, whole on every rank.
 """
 
@@ -30,9 +37,15 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_smp._compat import hf_missing_keys_moved_by
+from lightning_smp._compat import CHECKED_VERSIONS, HF_USE_KERNELS, hf_missing_keys_moved_by, installed_version
 
-__all__ = ["loading_deferred"]
+__all__ = ["PretrainedLoadingError", "loading_deferred"]
+
+
+class PretrainedLoadingError(RuntimeError):
+    """``from_pretrained`` cannot run under delayed parameter initialisation as called (the message says why and
+    what to do)."""
+
 
 _ASYNC_LOAD_VARIABLE = "HF_DEACTIVATE_ASYNC_LOAD"
 
@@ -55,6 +68,7 @@ def loading_deferred() -> Iterator[None]:
         modeling_utils.safe_open = _DeferredSafeOpen
         stack.callback(_restore_variable, os.environ.get(_ASYNC_LOAD_VARIABLE))
         os.environ[_ASYNC_LOAD_VARIABLE] = "1"
+        stack.enter_context(_guarded_from_pretrained(modeling_utils.PreTrainedModel))
         yield
 
 
@@ -63,6 +77,46 @@ def _restore_variable(value: str | None) -> None:
         os.environ.pop(_ASYNC_LOAD_VARIABLE, None)
     else:
         os.environ[_ASYNC_LOAD_VARIABLE] = value
+
+
+@contextmanager
+def _guarded_from_pretrained(model_class: type) -> Iterator[None]:
+    """For the block, ``model_class.from_pretrained`` (every transformers model's, and what the ``Auto`` classes call)
+    without hub kernels, and with our own error where the meta device meets a transformers default we do not know."""
+    original = model_class.__dict__["from_pretrained"]
+    load = original.__func__
+
+    @functools.wraps(load)
+    def from_pretrained(cls: type, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get(HF_USE_KERNELS):
+            raise PretrainedLoadingError(
+                f"from_pretrained(..., {HF_USE_KERNELS}=True) under delayed parameter initialisation: Hugging Face "
+                "hub kernels replace layers while every tensor is still on the meta device, before each rank holds "
+                "its part of the model, and they are downloaded at run time; lightning_smp does not kernelize a "
+                f"split model. Drop {HF_USE_KERNELS}=True (the model trains with transformers' PyTorch layers), or "
+                "build the model without delayed_parameter_initialization on a layout without tensor or pipeline "
+                "parallelism and kernelize it yourself."
+            )
+        kwargs[HF_USE_KERNELS] = False
+        try:
+            return load(cls, *args, **kwargs)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as error:
+            if "meta" not in str(error):
+                raise
+            version, tested = installed_version("transformers"), CHECKED_VERSIONS["transformers"]
+            raise PretrainedLoadingError(
+                f"transformers {version}'s from_pretrained failed on the meta device under delayed parameter "
+                f"initialisation ({type(error).__name__}: {error}). lightning_smp was tested with "
+                f"transformers{tested}; a release outside that range may have a new default that does not expect a "
+                f"model on the meta device. Install a tested version (pip install 'transformers{tested}', or pip "
+                "install -c constraints.txt from lightning_smp's repository), or report the version in an issue."
+            ) from error
+
+    model_class.from_pretrained = classmethod(from_pretrained)
+    try:
+        yield
+    finally:
+        model_class.from_pretrained = original
 
 
 def _deferring(move: Any) -> Any:
