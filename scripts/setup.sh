@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # Idempotent environment setup: .venv in the repo root with torch and this package installed editable with its
-# test extras. Cheap when nothing changed (a stamp of setup.cfg + pyproject.toml), so every script calls it.
+# test extras, at the newest versions setup.cfg's ranges allow. Cheap when nothing changed (a stamp of setup.cfg +
+# pyproject.toml), so every script calls it.
+# `bash scripts/setup.sh --oldest`: .venv-oldest instead, every dependency at the oldest version its range allows
+# (scripts/oldest_constraints.py), for CI's second job. `CONSTRAINTS=constraints.txt bash scripts/setup.sh`: the
+# exact versions of the last green CI run (constraints.txt), instead of the newest.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+VENV=.venv
+if [ "${1:-}" = "--oldest" ]; then VENV=.venv-oldest; fi
 TORCH_VERSION="2.13.0"
-STAMP=.venv/.lightning_smp-setup
+STAMP=$VENV/.lightning_smp-setup
 
 # The first Python >= 3.11 (setup.cfg's python_requires) among $PYTHON, python3.11, python3.12, python3.13, python3.
 find_python() {
@@ -21,7 +27,7 @@ find_python() {
     return 1
 }
 
-if [ ! -x .venv/bin/python ]; then
+if [ ! -x "$VENV/bin/python" ]; then
     asked="${PYTHON:-}"
     if ! PYTHON="$(find_python)"; then
         echo "scripts/setup.sh: lightning_smp needs Python >= 3.11, and none of ${asked:+\$PYTHON=$asked, }python3.11," \
@@ -29,15 +35,22 @@ if [ ! -x .venv/bin/python ]; then
             "Install Python 3.11 or newer, or point PYTHON at one: PYTHON=/path/to/python3.12 bash scripts/setup.sh" >&2
         exit 1
     fi
-    "$PYTHON" -m venv .venv
+    "$PYTHON" -m venv "$VENV"
 fi
 # torch first, pinned: left to resolve `torch` from setup.cfg, pip would pull a newer multi-GB CUDA build.
-if ! .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
+if ! "$VENV/bin/python" -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
     2>/dev/null; then
-    .venv/bin/python -m pip install --quiet --quiet "torch==$TORCH_VERSION"
+    "$VENV/bin/python" -m pip install --quiet --quiet "torch==$TORCH_VERSION"
 fi
-wanted="$(cat setup.cfg pyproject.toml | sha256sum | cut -d' ' -f1)"
+constraints=()
+if [ "$VENV" = .venv-oldest ]; then
+    "$VENV/bin/python" scripts/oldest_constraints.py >"$VENV/oldest-constraints.txt"
+    constraints=(-c "$VENV/oldest-constraints.txt")
+elif [ -n "${CONSTRAINTS:-}" ]; then
+    constraints=(-c "$CONSTRAINTS")
+fi
+wanted="$(cat setup.cfg pyproject.toml ${CONSTRAINTS:+"$CONSTRAINTS"} | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]; then
-    .venv/bin/python -m pip install --quiet --quiet -e ".[test]"
+    "$VENV/bin/python" -m pip install --quiet --quiet "${constraints[@]}" -e ".[test]"
     echo "$wanted" >"$STAMP"
 fi
