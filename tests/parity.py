@@ -51,7 +51,8 @@ def single_device_run(
 
     ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
     used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
-    name), ``skipped`` and ``scale`` (fp16's overflow record; 0 and None in fp32).
+    name), ``step_weights`` (every parameter flattened into one fp32 vector, after each step), ``skipped`` and
+    ``scale`` (fp16's overflow record; 0 and None in fp32).
     """
     torch.manual_seed(0)
     model = build()
@@ -69,7 +70,7 @@ def single_device_run(
     batch_size = model.train_dataloader().batch_size
     samplers = [DistributedSampler(dataset, num_replicas=replicas, rank=r, seed=0) for r in range(replicas)]
     per_epoch = len(samplers[0]) // batch_size
-    losses = []
+    losses, step_weights = [], []
     for step in range(steps):
         epoch, index = divmod(step, per_epoch)
         shards = []
@@ -85,14 +86,16 @@ def single_device_run(
         if fp16:
             (value.float() * scale.value).backward()
             skipped += _master_step(params, masters, optimizer, scale, clip_norm)
-            continue
-        value.backward()
-        if clip_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        optimizer.step()
+        else:
+            value.backward()
+            if clip_norm is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            optimizer.step()
+        step_weights.append(torch.cat([p.detach().float().flatten() for p in model.parameters()]))
     return {
         "losses": losses,
         "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "step_weights": step_weights,
         "skipped": skipped if fp16 else 0.0,
         "scale": scale.value if fp16 else None,
     }

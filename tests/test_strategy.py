@@ -7,13 +7,14 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp import SMPStrategy
 from tests.distributed import run_distributed, run_process
 from tests.models import TinyRegressor, quiet_trainer
-from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process
+from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, single_device_run
 
 STEPS = 12
 PER_RANK_BATCH = 8
@@ -118,8 +119,16 @@ def _fit(rank, strategy_kwargs, batch_size, inject_rank=None):
     }
 
 
-def _reference(strategy_kwargs):
-    return one_process(_fit, strategy_kwargs, 2 * PER_RANK_BATCH, timeout=100)
+def _reference(*, fp16: bool = False) -> dict:
+    """The same model and the two replicas' batches in one process, in plain PyTorch (tests/parity.py)."""
+    return single_device_run(
+        lambda: _Logged(optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), num_samples=256, batch_size=PER_RANK_BATCH),
+        lambda model, batch, step: F.mse_loss(model(batch[0]), batch[1]),
+        steps=STEPS,
+        replicas=2,
+        fp16=fp16,
+        init_scale=2.0**20,
+    )
 
 
 def _data_parallel(strategy_kwargs, inject_rank=None):
@@ -128,14 +137,14 @@ def _data_parallel(strategy_kwargs, inject_rank=None):
 
 @pytest.mark.timeout(240)
 def test_dp2_fp32_matches_one_process_on_the_global_batch():
-    single = _reference({})
+    single = _reference()
     ranks = _data_parallel({})
     assert [r["sampler"] for r in ranks] == [{"num_replicas": 2, "rank": 0}, {"num_replicas": 2, "rank": 1}]
     losses = mean_losses(ranks)
     assert len(losses) == STEPS >= 10
     assert losses == pytest.approx(single["losses"], rel=FP32_REL)
     for step in range(STEPS):
-        torch.testing.assert_close(ranks[0]["weights"][step], single["weights"][step], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ranks[0]["weights"][step], single["step_weights"][step], rtol=1e-5, atol=1e-6)
         assert torch.equal(ranks[0]["weights"][step], ranks[1]["weights"][step])  # replicas stay identical
     assert ranks[0]["rank_value"] == ranks[1]["rank_value"] == 0.5  # sync_dist means over the replicas
 
@@ -143,7 +152,7 @@ def test_dp2_fp32_matches_one_process_on_the_global_batch():
 @pytest.mark.timeout(240)
 def test_dp2_fp16_matches_one_process_with_the_same_skipped_steps():
     fp16 = {"fp16": True, "dynamic_loss_args": {"init_scale": 2.0**20}}
-    single = _reference(fp16)
+    single = _reference(fp16=True)
     ranks = _data_parallel(fp16)
     for rank in ranks:
         assert_same_overflow(rank, single)
