@@ -43,11 +43,13 @@ def single_device_run(
     fp16: bool = False,
     init_scale: float = 2.0**16,
     clip_norm: float | None = None,
+    shuffle: bool = True,
 ) -> dict[str, Any]:
     """``steps`` steps in plain PyTorch on the global batch (the data-parallel replicas' batches together, in
     Lightning's shuffled order): fp32, or fp16 parameters with fp32 master copies and smp's dynamic loss scale
     (`_master_step`, written here without the package's optimizer); optionally clipping the gradient norm as
-    Lightning's ``gradient_clip_val`` does.
+    Lightning's ``gradient_clip_val`` does. ``shuffle=False``: the batches in the dataset's order, as a loader with its
+    own sequential sampler gives them to a Trainer with ``use_distributed_sampler=False``.
 
     ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
     used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
@@ -68,7 +70,9 @@ def single_device_run(
         scale, skipped = _LossScale(init_scale), 0
     dataset = model.train_dataloader().dataset
     batch_size = model.train_dataloader().batch_size
-    samplers = [DistributedSampler(dataset, num_replicas=replicas, rank=r, seed=0) for r in range(replicas)]
+    samplers = [
+        DistributedSampler(dataset, num_replicas=replicas, rank=r, seed=0, shuffle=shuffle) for r in range(replicas)
+    ]
     per_epoch = len(samplers[0]) // batch_size
     losses, step_weights = [], []
     for step in range(steps):

@@ -26,6 +26,7 @@ from lightning_smp.materialization import materialize_kept
 from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard
 from tests.distributed import run_distributed
 from tests.models import quiet_trainer, small_cnn
+from tests.parity import single_device_run
 
 STEPS = 6
 VOCAB, WIDTH, SEQ, BLOCKS = 32, 16, 8, 4
@@ -200,25 +201,20 @@ _M_MMAP_THRESHOLD = -3
 _REFERENCES: dict = {}
 
 
-def _eager(model_name: str, **strategy_kwargs) -> dict:
-    """The single-device run of the eagerly built model (fp32: plain Lightning; fp16: the package's master
-    weights), and its whole parameters."""
-    key = (model_name, repr(sorted(strategy_kwargs.items())))
-    if key not in _REFERENCES:
+def _eager(model_name: str) -> dict:
+    """The single-device fp32 run of the eagerly built model in plain PyTorch, and its whole parameters."""
+    if model_name not in _REFERENCES:
         torch.manual_seed(0)
         model = MODELS[model_name](build_now=True)
         whole = {name: t.detach().clone() for name, t in [*model.named_parameters(), *model.named_buffers()]}
-        strategy = SMPStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
-        _REFERENCES[key] = {**_fit_built(model, strategy), "whole": whole}
-    return _REFERENCES[key]
-
-
-def _fit_built(model: pl.LightningModule, strategy) -> dict:
-    capture = _Capture()
-    trainer = quiet_trainer(strategy, max_steps=STEPS, callbacks=[capture], **_SAME_BATCHES)
-    trainer.fit(model)
-    skipped = getattr(trainer.optimizers[0], "skipped_steps", torch.zeros(())).item()
-    return {"losses": capture.losses, "skipped": skipped}
+        run = single_device_run(
+            lambda: MODELS[model_name](build_now=True),
+            lambda model, batch, step: model.training_step(batch, step),
+            steps=STEPS,
+            shuffle=False,
+        )
+        _REFERENCES[model_name] = {**run, "whole": whole}
+    return _REFERENCES[model_name]
 
 
 def _check_bit_identical(run: dict, whole: dict) -> None:
@@ -305,7 +301,14 @@ def test_the_layouts_really_split_the_model(two_ranks):
 
 @pytest.mark.timeout(500)
 def test_pp2_fp16_after_delayed_init_matches_one_device_with_the_same_skipped_steps(two_ranks):
-    reference = _eager("gpt", **FP16)
+    reference = single_device_run(
+        lambda: GPT(build_now=True),
+        lambda model, batch, step: model.training_step(batch, step),
+        steps=STEPS,
+        fp16=True,
+        init_scale=FP16["dynamic_loss_args"]["init_scale"],
+        shuffle=False,
+    )
     for result in two_ranks:
         run = result["gpt_pp2_fp16"]
         assert run["skipped"] == reference["skipped"] > 0
