@@ -32,6 +32,7 @@ from lightning_smp.weights import open_state_dict
 from tests.distributed import run_distributed
 from tests.gpt import TinyGPT, token_batches
 from tests.models import quiet_trainer
+from tests.parity import single_device_run
 
 transformers = pytest.importorskip("transformers")
 
@@ -200,13 +201,29 @@ def _layouts(rank: int, layouts: dict, paths: dict[str, str]) -> dict:
 _REFERENCES: dict = {}
 
 
-def _reference(model: str, paths: dict[str, str], **strategy_kwargs) -> dict:
-    """One device, plain ``from_pretrained`` (or ``load_state_dict`` of the file) without delayed initialisation:
-    plain Lightning in fp32, the package's master weights in fp16; and the whole tensors after setup."""
-    key = (model, repr(sorted(strategy_kwargs.items())))
+def _reference(model: str, paths: dict[str, str], *, fp16: bool = False) -> dict:
+    """One device in plain PyTorch (tests/parity.py), the model loaded by a plain ``from_pretrained`` (or
+    ``load_state_dict`` of the file) without delayed initialisation: fp32, or fp16 with fp32 masters; and the whole
+    tensors once loaded."""
+    key = (model, fp16)
     if key not in _REFERENCES:
-        strategy = SMPStrategy(**strategy_kwargs) if strategy_kwargs else "auto"
-        _REFERENCES[key] = _fit(_build(model, paths[model], plain=True), strategy)
+
+        def build() -> pl.LightningModule:
+            module = _build(model, paths[model], plain=True)
+            module.configure_model()
+            return module
+
+        loaded = build()
+        whole = {name: (t.detach().clone(), None) for name, t in [*loaded.named_parameters(), *loaded.named_buffers()]}
+        run = single_device_run(
+            build,
+            lambda module, batch, step: module.training_step(batch, step),
+            steps=STEPS,
+            fp16=fp16,
+            init_scale=FP16["dynamic_loss_args"]["init_scale"],
+            shuffle=False,
+        )
+        _REFERENCES[key] = {**run, "held": whole}
     return _REFERENCES[key]
 
 
@@ -264,7 +281,7 @@ def test_each_rank_loads_its_slices_of_the_checkpoint_and_trains_as_one_device(t
 
 @pytest.mark.timeout(900)
 def test_fp16_pp2_loads_and_skips_the_steps_one_device_skips(two_ranks, checkpoints):
-    _check(two_ranks, "pp2_fp16", _reference("llama", checkpoints, **FP16), fp16=True)
+    _check(two_ranks, "pp2_fp16", _reference("llama", checkpoints, fp16=True), fp16=True)
 
 
 @pytest.mark.timeout(900)
