@@ -348,6 +348,7 @@ _GROUP_OF_PATH = {
     "build.py": "Model creation and memory",
     "materialization.py": "Model creation and memory",
     "weights.py": "Model creation and memory",
+    "weight_files.py": "Model creation and memory",
     "progress.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
     "activation_memory.py": "Model creation and memory",

@@ -28,7 +28,7 @@ from lightning_smp.delayed_init import deferred_init
 from lightning_smp.delayed_init.huggingface import PretrainedLoadingError
 from lightning_smp.materialization import cut_of
 from lightning_smp.placement import Cut
-from lightning_smp.weights import open_state_dict
+from lightning_smp.weight_files import open_state_dict
 from tests.distributed import run_distributed
 from tests.gpt import TinyGPT, token_batches
 from tests.models import quiet_trainer

@@ -10,7 +10,7 @@ from torch import nn
 from lightning_smp import load_weights
 from lightning_smp.delayed_init import deferred_init, materialize_module
 from lightning_smp.placement import Cut, TPShard
-from lightning_smp.weights import open_state_dict
+from lightning_smp.weight_files import open_state_dict
 
 
 def _model() -> nn.Module:

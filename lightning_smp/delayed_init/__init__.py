@@ -45,6 +45,7 @@ Hugging Face's ``from_pretrained`` inside the block loads this way (`huggingface
 `lightning_smp.load_weights`.
 """
 
+from lightning_smp.delayed_init import huggingface as huggingface  # registers from_pretrained's deferred loading
 from lightning_smp.delayed_init.recording import Source, deferred_from, deferred_init, is_deferred
 from lightning_smp.delayed_init.replay import materialize, materialize_module
 

@@ -6,7 +6,7 @@ transformers 5 builds the model on the meta device and copies the checkpoint in
 initialises what the checkpoint lacks. That logic is left as it is; for the block's duration only where tensors
 come from and where they are put changes:
 
-- ``transformers.modeling_utils.safe_open`` hands out deferred tensors (`lightning_smp.weights.SafetensorsTensor`
+- ``transformers.modeling_utils.safe_open`` hands out deferred tensors (`lightning_smp.weight_files.SafetensorsTensor`
   sources) instead of memory-mapped ones, so every rename, conversion and dtype cast is recorded and replayed per
   rank (only casts and copies of a tensor: its rank's part is read directly);
 - the missing keys and non-persistent buffers (a rotary table) that
@@ -38,6 +38,8 @@ from typing import Any
 from torch import Tensor
 
 from lightning_smp._compat import CHECKED_VERSIONS, HF_USE_KERNELS, hf_missing_keys_moved_by, installed_version
+from lightning_smp.delayed_init.recording import add_loading_hook, cpu_as_deferred, deferred_from
+from lightning_smp.weight_files import SafetensorsFile
 
 __all__ = ["PretrainedLoadingError", "loading_deferred"]
 
@@ -121,7 +123,6 @@ def _guarded_from_pretrained(model_class: type) -> Iterator[None]:
 
 def _deferring(move: Any) -> Any:
     """``PreTrainedModel._move_missing_keys_from_meta_to_device`` making deferred tensors where it makes CPU ones."""
-    from lightning_smp.delayed_init.recording import cpu_as_deferred
 
     @functools.wraps(move)
     def moved(self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -135,8 +136,6 @@ class _DeferredSafeOpen:
     """safetensors' ``safe_open`` as transformers' loading uses it, handing out deferred tensors."""
 
     def __init__(self, filename: Any, framework: str = "pt", device: Any = "cpu", **_: Any) -> None:
-        from lightning_smp.weights import SafetensorsFile
-
         self._file = SafetensorsFile(filename)
 
     def __enter__(self) -> _DeferredSafeOpen:
@@ -171,6 +170,7 @@ class _DeferredSlice:
         return self._source.code
 
     def __getitem__(self, index: Any) -> Tensor:
-        from lightning_smp.delayed_init.recording import deferred_from
-
         return deferred_from(self._source)[index]
+
+
+add_loading_hook(loading_deferred)

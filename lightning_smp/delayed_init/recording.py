@@ -13,7 +13,7 @@ import functools
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,7 +32,6 @@ from lightning_smp._compat import (
     tree_flatten,
     tree_unflatten,
 )
-from lightning_smp.delayed_init import huggingface
 from lightning_smp.placement import Cut
 
 __all__ = [
@@ -517,10 +516,27 @@ def deferred_init() -> Iterator[None]:
     recorder = _Recorder(Recording())
     ACTIVE.recorder = recorder
     try:
-        with _recording_initialisers(), huggingface.loading_deferred(), _MetaFactories(), recorder:
+        with _recording_initialisers(), _loading_hooks_entered(), _MetaFactories(), recorder:
             yield
     finally:
         ACTIVE.recorder = None
+
+
+_LOADING_HOOKS: list[Callable[[], AbstractContextManager[None]]] = []
+
+
+def add_loading_hook(hook: Callable[[], AbstractContextManager[None]]) -> None:
+    """Have every ``deferred_init()`` block enter ``hook()``: a library's adapter that makes the values it reads from
+    files deferred too (`delayed_init.huggingface` registers Hugging Face's ``from_pretrained`` so)."""
+    _LOADING_HOOKS.append(hook)
+
+
+@contextmanager
+def _loading_hooks_entered() -> Iterator[None]:
+    with ExitStack() as stack:
+        for hook in _LOADING_HOOKS:
+            stack.enter_context(hook())
+        yield
 
 
 @contextmanager
