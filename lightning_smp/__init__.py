@@ -17,9 +17,8 @@ from lightning_smp.memory import estimate_memory, fitting_layouts
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.strategy import SMPStrategy, register_strategies
+from lightning_smp.version import __version__
 from lightning_smp.weights import load_weights
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DynamicLossScaler",
@@ -28,6 +27,7 @@ __all__ = [
     "SMPPrecision",
     "SMPStrategy",
     "StaticLossScaler",
+    "__version__",
     "consolidate_checkpoint",
     "consolidated_state_dict",
     "estimate_memory",

@@ -342,6 +342,7 @@ _GROUP_OF_PATH = {
     "overlap.py": "Launching and failures",  # reductions started during backward
     "fault_tolerance.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
+    "version.py": "Launching and failures",  # the version string; raises nothing
     "activation_checkpointing.py": "Model creation and memory",
     "activation_offloading.py": "Model creation and memory",
     "delayed_init/": "Model creation and memory",

@@ -38,9 +38,9 @@ from lightning_smp.checkpoint.verification import (
     RECORD,
     CheckpointError,
     describe_own_files,
-    package_version,
     reraised_as_checkpoint_error,
 )
+from lightning_smp.version import __version__
 
 __all__ = ["save"]
 
@@ -80,7 +80,7 @@ def save(
             error = None
             if rank == 0:
                 try:
-                    record = {**run, "format": FORMAT_VERSION, "version": package_version()}
+                    record = {**run, "format": FORMAT_VERSION, "version": __version__}
                     record["torch"] = str(torch.__version__)
                     record[RECORD_KEY] = describe_models(module)  # what export_hf writes config.json from
                     record["files"] = {name: info for part in files for name, info in part.items()}

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_smp.checkpoint.storage import all_gather_object, glob_escape, previous_path
+from lightning_smp.version import __version__
 
 __all__ = [
     "FORMAT_VERSION",
@@ -35,7 +36,6 @@ __all__ = [
     "describe_run",
     "file_problems",
     "is_sharded_checkpoint",
-    "package_version",
     "raise_if_any",
     "read_checked",
     "read_dcp_metadata",
@@ -135,7 +135,7 @@ def read_meta(path: Path, weights_only: bool | None) -> dict[str, Any]:
     if record.get("format", 0) > FORMAT_VERSION:
         raise CheckpointError(
             f"{str(path)!r} has checkpoint format {record['format']} (lightning_smp {record.get('version')}); this "
-            f"lightning_smp {package_version()} reads format {FORMAT_VERSION} and older. Upgrade lightning_smp."
+            f"lightning_smp {__version__} reads format {FORMAT_VERSION} and older. Upgrade lightning_smp."
         )
     return meta
 
@@ -236,9 +236,3 @@ def _crc32(file: Path) -> int:
         while chunk := stream.read(_CRC_CHUNK):
             crc = zlib.crc32(chunk, crc)
     return crc
-
-
-def package_version() -> str:
-    from lightning_smp import __version__
-
-    return __version__
