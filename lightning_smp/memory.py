@@ -13,7 +13,6 @@ the trace cannot run, the activations are unknown and so is whether a layout fit
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.layout import PipelineLayout
 from lightning_smp.sharded_data_parallel import keeps_whole
 from lightning_smp.topology import rank_groups
+from lightning_smp.units import format_bytes, parse_bytes
 
 __all__ = [
     "Layout",
@@ -352,32 +352,6 @@ def layouts_table(reports: Sequence[MemoryReport]) -> str:
     ]
     widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in (header, *rows))
-
-
-def format_bytes(count: float) -> str:
-    """``count`` bytes in binary units: "0 B", "1.5 KiB", "3.2 GiB"."""
-    value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} TiB"
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_UNITS.update({"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40})
-
-
-def parse_bytes(text: str) -> int:
-    """``"40GiB"`` (binary), ``"80GB"`` (decimal), ``"40G"`` (binary, as ``nvidia-smi`` and ``ls -h``) or a
-    plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"device memory {text!r} is not a size; give a number with a unit, e.g. '40GiB', '80GB' or "
-            "'141G' (binary), or a plain number of bytes."
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
 # -- the per-rank count -----------------------------------------------------------------------------------------

@@ -15,6 +15,8 @@ from types import TracebackType
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_smp.units import format_bytes
+
 __all__ = ["Progress"]
 
 
@@ -66,20 +68,14 @@ class Progress:
         if kind is None and self._reported:
             elapsed = self._clock() - self._start
             self._report(
-                f"lightning_smp: {self._what}: done, {_size(self._done)} in {elapsed:.0f} s "
-                f"({_size(self._done / max(elapsed, 1e-9))}/s)"
+                f"lightning_smp: {self._what}: done, {format_bytes(self._done)} in {elapsed:.0f} s "
+                f"({format_bytes(self._done / max(elapsed, 1e-9))}/s)"
             )
 
     def _line(self, now: float) -> str:
         elapsed = now - self._start
         share = f" ({100 * self._done / self._total:.0f}%)" if self._total else ""
         return (
-            f"lightning_smp: {self._what}: {_size(self._done)} of {_size(self._total)}{share}, "
-            f"{_size(self._done / max(elapsed, 1e-9))}/s, {elapsed:.0f} s"
+            f"lightning_smp: {self._what}: {format_bytes(self._done)} of {format_bytes(self._total)}{share}, "
+            f"{format_bytes(self._done / max(elapsed, 1e-9))}/s, {elapsed:.0f} s"
         )
-
-
-def _size(count: float) -> str:
-    from lightning_smp.memory import format_bytes  # here: the memory planner imports the build, which reports
-
-    return format_bytes(count)

@@ -351,6 +351,7 @@ _GROUP_OF_PATH = {
     "weights.py": "Model creation and memory",
     "weight_files.py": "Model creation and memory",
     "progress.py": "Model creation and memory",
+    "units.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
     "activation_memory.py": "Model creation and memory",
     "memory_plot.py": "Model creation and memory",

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from benchmarks import memory_scale, sequence_parallel
 from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
 from lightning_smp.activation_memory import SavedBytes
-from lightning_smp.memory import format_bytes, layouts_table, parse_bytes
+from lightning_smp.memory import layouts_table
 from tests.distributed import run_benchmark, run_distributed
 
 VOCAB, WIDTH, HEADS, FF, LAYERS = 64, 16, 2, 32, 4
@@ -374,17 +374,6 @@ def test_fitting_layouts_builds_the_model_once_per_tensor_parallel_degree():
     assert sorted(built) == [1, 2, 4]
     by_degrees = {(r.layout.pp, r.layout.tp): r.largest.parameters for r in found}
     assert by_degrees[(1, 2)] < 0.6 * by_degrees[(1, 1)]  # built tensor-parallel, so split
-
-
-def test_device_memory_is_read_in_binary_and_decimal_units():
-    assert parse_bytes("40GiB") == 40 * 2**30
-    assert parse_bytes("80GB") == 80 * 10**9
-    assert parse_bytes("141G") == 141 * 2**30
-    assert parse_bytes("1.5 MiB") == 3 * 2**19
-    assert parse_bytes("1024") == 1024
-    assert format_bytes(3 * 2**29) == "1.5 GiB"
-    with pytest.raises(ValueError, match="'40 gigs' is not a size; give a number with a unit"):
-        parse_bytes("40 gigs")
 
 
 def test_bad_inputs_name_the_fix():

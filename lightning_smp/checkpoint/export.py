@@ -28,8 +28,8 @@ from lightning_smp.checkpoint.safetensors_file import DTYPE_CODES, write_safeten
 from lightning_smp.checkpoint.storage import publish, staging_path
 from lightning_smp.checkpoint.verification import CheckpointError, read_checked
 from lightning_smp.checkpoint.whole_tensors import WholeTensors
-from lightning_smp.memory import parse_bytes
 from lightning_smp.progress import Progress
+from lightning_smp.units import parse_bytes
 
 __all__ = ["export_hf"]
 
