@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_smp import activation_checkpointing
+from lightning_smp import activation_checkpointing, smp
 from lightning_smp._compat import attached_trainer, flash_attention_for_cpu, tree_map
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline.microbatch import split_batch
@@ -355,8 +355,6 @@ def _fused_attention() -> Iterator[None]:
 def _layout(config: SMPConfig) -> Iterator[None]:
     """The smp facade answering ``smp.tp_size()`` and the like for ``config``'s layout (a running job answers for
     itself)."""
-    from lightning_smp import smp  # the facade imports the strategy, which imports the planner
-
     if smp.state.initialized:
         yield
         return

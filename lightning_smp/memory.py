@@ -32,6 +32,7 @@ from lightning_smp.activation_memory import (
     trace_activations,
 )
 from lightning_smp.config import SMPConfig
+from lightning_smp.memory_plot import plot_memory
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.layout import PipelineLayout
 from lightning_smp.sharded_data_parallel import keeps_whole
@@ -215,8 +216,6 @@ class MemoryReport:
 
     def plot(self, path: str | Path) -> Path:
         """Draw the per-stage bars, stacked by kind, against the device memory into ``path`` (needs matplotlib)."""
-        from lightning_smp.memory_plot import plot_memory
-
         return plot_memory(self, path)
 
 

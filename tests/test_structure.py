@@ -1,0 +1,152 @@
+"""The package's import structure: no import cycle between its modules, and no import of one of its modules inside a
+function unless that module needs an optional library (the import waits for the feature that uses it).
+
+An import inside a function is how a cycle hides: the graph below counts imports at module level and inside
+functions alike (``if TYPE_CHECKING:`` blocks aside), so a cycle fails here whichever way it is written. Shared
+small pieces belong in a module below both users (`units`, `version`, `weight_files`), and an adapter that another
+module must not import registers itself (`delayed_init.huggingface`).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import lightning_smp
+
+PACKAGE = Path(lightning_smp.__file__).parent
+OPTIONAL_LIBRARIES = {"transformers", "peft", "safetensors", "matplotlib", "jsonargparse"}
+"""The extras' libraries (setup.cfg): a module importing one at module level is imported where it is used."""
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _resolve(name: str) -> str:
+    """The package module that ``name`` (a module, or a name imported from one) is defined in."""
+    while name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name
+
+
+class _Imports(ast.NodeVisitor):
+    """The package modules a module imports, each with whether it is imported inside a function; and the
+    third-party top-level names it imports at module level."""
+
+    def __init__(self, module: str) -> None:
+        self.module, self.depth = module, 0
+        self.package: list[tuple[str, bool, int]] = []
+        self.libraries: set[str] = set()
+
+    def visit_If(self, node: ast.If) -> None:
+        if "TYPE_CHECKING" not in ast.unparse(node.test):
+            self.generic_visit(node)
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, node.lineno)
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        if node.level or not node.module:
+            return
+        for alias in node.names:
+            self._add(f"{node.module}.{alias.name}", node.lineno)
+
+    def _add(self, name: str, line: int) -> None:
+        if name.split(".")[0] != "lightning_smp":
+            if self.depth == 0:
+                self.libraries.add(name.split(".")[0])
+            return
+        target = _resolve(name)
+        if target != self.module and not self.module.startswith(f"{target}."):  # a package's own submodule
+            self.package.append((target, self.depth > 0, line))
+
+
+def _imports() -> dict[str, _Imports]:
+    found = {}
+    for module, path in MODULES.items():
+        visitor = _Imports(module)
+        visitor.visit(ast.parse(path.read_text()))
+        found[module] = visitor
+    return found
+
+
+IMPORTS = _imports()
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in sorted(edges[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(edges):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _edges(imports: dict[str, _Imports]) -> dict[str, set[str]]:
+    return {module: {target for target, _, _ in found.package} for module, found in imports.items()}
+
+
+def test_no_import_cycle_between_the_packages_modules():
+    cycles = _cycles(_edges(IMPORTS))
+    assert cycles == [], (
+        "these modules import each other (directly or around a circle; imports inside functions count): move the "
+        "piece they share into a module below them"
+    )
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_a_module_is_imported_inside_a_function_only_for_an_optional_library(module):
+    hidden = [
+        f"{module}:{line} imports {target}"
+        for target, inside, line in IMPORTS[module].package
+        if inside and not IMPORTS[target].libraries & OPTIONAL_LIBRARIES
+    ]
+    assert hidden == [], "import these at module level (a cycle they hide fails the test above)"
+
+
+def test_the_cycle_check_finds_a_cycle_and_the_import_scan_sees_inside_functions(tmp_path):
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    visitor = _Imports("lightning_smp.progress")
+    visitor.visit(ast.parse("def f():\n    from lightning_smp.memory import format_bytes\nimport matplotlib\n"))
+    assert visitor.package == [("lightning_smp.memory", True, 2)] and visitor.libraries == {"matplotlib"}
