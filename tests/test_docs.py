@@ -351,6 +351,7 @@ _GROUP_OF_PATH = {
     "progress.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
     "activation_memory.py": "Model creation and memory",
+    "repeated_layers.py": "Model creation and memory",  # the planner's trace of a repeated trunk; raises nothing
     "memory_plot.py": "Model creation and memory",
     "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",
