@@ -340,6 +340,7 @@ _GROUP_OF_PATH = {
     "topology.py": "Launching and failures",
     "reduction.py": "Launching and failures",  # the plan of who reduces gradients; raises nothing of its own
     "overlap.py": "Launching and failures",  # reductions started during backward
+    "collectives.py": "Launching and failures",  # which way an all-gather or reduce-scatter runs; raises nothing
     "fault_tolerance.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
     "activation_checkpointing.py": "Model creation and memory",
