@@ -54,7 +54,6 @@ __all__ = [
     "TorchDispatchMode",
     "accumulate_gradients",
     "after_closure",
-    "attached_trainer",
     "buffer_table",
     "canonical_mask",
     "ddp_kwargs",
@@ -284,12 +283,6 @@ def install_sigterm_hooks(
     (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
     trainer._signal_connector._sigterm_notifier_fn = on_signal
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = before_step
-
-
-def attached_trainer(module: Any) -> pl.Trainer | None:
-    """The Trainer a LightningModule is attached to, or None (``module.trainer`` raises when there is none); None for
-    any other module."""
-    return getattr(module, "_trainer", None)
 
 
 def mark_sigterm_received(trainer: pl.Trainer) -> None:

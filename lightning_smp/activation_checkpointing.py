@@ -33,7 +33,7 @@ from lightning_smp.activation_offloading import ActivationOffloader
 from lightning_smp.tensor_parallel.base import TensorParallelModule
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 
-__all__ = ["apply", "is_marked", "set_activation_checkpointing"]
+__all__ = ["apply", "clear_marks", "is_marked", "set_activation_checkpointing", "spans_children"]
 
 _REQUEST = "_smp_activation_checkpointing"
 # Every module `apply` has seen: a mark made on one of them later would never be applied.
@@ -80,6 +80,22 @@ def set_activation_checkpointing(
 def is_marked(module: nn.Module) -> bool:
     """Whether `set_activation_checkpointing` marked ``module``."""
     return _REQUEST in module.__dict__
+
+
+def spans_children(module: nn.Module) -> bool:
+    """Whether a mark on ``module`` (an ``nn.Sequential``) puts several of its children in one checkpoint
+    ("group_N" with N > 1, "contiguous"; a pipelined trunk's children are checkpointed one by one all the same)."""
+    request = module.__dict__.get(_REQUEST)
+    return request is not None and request.group_size != 1 and isinstance(module, nn.Sequential)
+
+
+def clear_marks(model: nn.Module) -> None:
+    """Forget the `set_activation_checkpointing` marks of ``model``'s modules not applied yet: the memory planner
+    measures on a copy what the marked modules keep without checkpointing (what their backward rebuilds)."""
+    for module in model.modules():
+        request = module.__dict__.get(_REQUEST)
+        if request is not None and not request.applied:
+            del module.__dict__[_REQUEST]
 
 
 def apply(

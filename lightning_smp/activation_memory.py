@@ -1,23 +1,26 @@
 """What a model keeps for backward: the bytes autograd saves while one microbatch runs forward, counted, not guessed.
 
 Owns the count (`SavedBytes`: through ``torch.autograd.graph.saved_tensors_hooks``, each storage once, parameters
-and buffers not at all, by where it was saved: before the pipelined trunk, in each trunk child, after it) and the
-trace the memory planner runs (`trace_activations`): a copy of the model on the meta device (nothing is allocated),
-split as tensor-parallel rank 0 would hold it (collectives replaced by `ShapeOnlyGroup`), in its training precision,
-with its activation checkpointing and offloading, runs ``training_step`` (or ``forward``) and backward on one
-microbatch. So any model is measured, with every layout feature that changes what it keeps (tensor and sequence
-parallelism, checkpointing, offloading), its logits and its loss; a benchmark counts a live run with the same
-`SavedBytes`. On the meta device ``scaled_dot_product_attention`` would fall back to its math kernel, which keeps
-the attention probabilities: the trace runs the fused kernel instead (keeping q, k, v, the output and the
-log-sum-exp, as torch's CPU and CUDA kernels do). Not owned: which stage holds which child (`pipeline.partition`),
-the report (`memory`).
+and buffers not at all, by where it was saved: before the trunk, in each trunk child, after it) and the trace the
+memory planner runs (`trace_activations`): a copy of the model on the meta device (nothing is allocated), built by
+the strategy's own `build.plan_and_apply` as tensor-parallel rank 0 of the layout holds it (a `ShapeOnlyTopology`:
+collectives only shape tensors), with its activation checkpointing and offloading, in its training precision, runs
+``training_step`` (or ``forward``) and backward on one microbatch. So any model is measured, with every layout
+feature that changes what it keeps, its logits and its loss; a benchmark counts a live run with the same
+`SavedBytes`. A trunk of identical layers is traced through its first two and extended to the rest
+(`repeated_layers`; a trunk that is not, or whose two traced layers differ, is traced whole). On the meta device
+``scaled_dot_product_attention`` would fall back to its math kernel, which keeps the attention probabilities: the
+trace runs the fused kernel instead (keeping q, k, v, the output and the log-sum-exp, as torch's CPU and CUDA kernels
+do). Not owned: which stage holds which child (`pipeline.partition`), the report (`memory`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import dataclasses
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,14 +30,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_smp import activation_checkpointing, smp
-from lightning_smp._compat import attached_trainer, flash_attention_for_cpu, tree_map
+from lightning_smp import activation_checkpointing, build, repeated_layers, smp
+from lightning_smp._compat import flash_attention_for_cpu, tree_map
 from lightning_smp.config import SMPConfig
 from lightning_smp.pipeline.microbatch import split_batch
-from lightning_smp.pipeline.partition import find_trunk
 from lightning_smp.precision import SMPPrecision
-from lightning_smp.tensor_parallel import ShapeOnlyGroup, TensorParallel, apply_plan, hf_plan, plan_tensor_parallel
-from lightning_smp.tensor_parallel.rng import TensorParallelRNG
+from lightning_smp.repeated_layers import Cut, Handoffs
+from lightning_smp.tensor_parallel import hf_plan
 
 __all__ = ["ActivationTrace", "SavedBytes", "TraceError", "by_trunk_child", "example_batch", "trace_activations"]
 
@@ -55,7 +57,7 @@ class SavedBytes:
 
     def __init__(self, exclude: Iterable[Tensor] = ()) -> None:
         self._storages: dict[int, Any] = {}  # id -> storage, held so that an id is never reused while counting
-        self._excluded = {self._key(tensor) for tensor in exclude}
+        self._excluded = {self.key(tensor) for tensor in exclude}
         self.bucket = WHOLE
         self.saved: dict[str, dict[int, int]] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unchanged)
@@ -72,7 +74,8 @@ class SavedBytes:
         chosen = self.saved if buckets is None else {b: self.saved.get(b, {}) for b in buckets}
         return sum({key: size for storages in chosen.values() for key, size in storages.items()}.values())
 
-    def _key(self, tensor: Tensor) -> int:
+    def key(self, tensor: Tensor) -> int:
+        """The key ``tensor``'s storage is counted under (the storage is held while this counter lives)."""
         try:
             storage = tensor.untyped_storage()
         except (NotImplementedError, RuntimeError):  # a tensor subclass without one storage: the tensor itself
@@ -81,7 +84,7 @@ class SavedBytes:
         return id(storage)
 
     def _pack(self, tensor: Tensor) -> Tensor:
-        key = self._key(tensor)
+        key = self.key(tensor)
         if key not in self._excluded:
             storage = self._storages[key]
             size = storage.nbytes() if not isinstance(storage, Tensor) else tensor.numel() * tensor.element_size()
@@ -105,6 +108,9 @@ class ActivationTrace:
     offloading the inputs loaded back ahead of it."""
     microbatch: str
     """The microbatch's shapes, for the report."""
+    cut: Cut | None = None
+    """The children of a repeated trunk the trace ran, the rest extended from them (`repeated_layers`); None when it
+    ran every child."""
 
     def kept(self, buckets: Iterable[str] | None = None) -> int:
         """Bytes ``buckets`` (all by default) keep for backward, a storage saved in several counted once."""
@@ -117,54 +123,110 @@ class ActivationTrace:
         return max(values, default=0)
 
 
-def trace_activations(model: nn.Module, batch: Any, *, config: SMPConfig) -> ActivationTrace:
+def trace_activations(
+    model: nn.Module,
+    batch: Any,
+    *,
+    config: SMPConfig,
+    extrapolate: bool = True,
+    built: build.BuildPlan | None = None,
+) -> ActivationTrace:
     """Trace one microbatch of ``batch`` (one data-parallel replica's batch, as ``training_step`` gets it, split
     into ``config.microbatches``) through ``model`` as one rank of ``config``'s tensor-parallel degree holds it.
+    With ``extrapolate`` a trunk of repeated layers is traced through its first two (and a last that differs) and
+    extended to the rest (the same bytes, per bucket; `repeated_layers`); without, or where that cannot apply, the
+    trunk runs whole.
+    ``built`` is `build.plan` of ``model`` for ``config``'s layout, when the caller has it.
 
     Raises `TraceError`, saying why, when the model cannot run on the meta device (data-dependent code such as
-    ``.item()``, a collective of its own) or has nothing to backpropagate.
+    ``.item()``, a collective of its own) or has nothing to backpropagate; ``ValueError`` when the model cannot take
+    ``config``'s layout (its own error, as the strategy would raise it).
     """
     microbatch = split_batch(_on_meta(batch), config.microbatches)[0]
+    if built is None:
+        built = build.plan(
+            model, config=config, tp=config.tensor_parallel_degree, pp=1, sdp=config.sharded_data_parallel_degree
+        )
+    trunk = None if built.trunk is None else built.trunk[0]
+    if extrapolate and built.trunk is not None:
+        cut = repeated_layers.plan_cut(built.trunk[1], name=built.trunk[0], units=built.tensor_parallel.units)
+        if cut is not None:
+            try:
+                return _trace_both(model, microbatch, config, trunk, cut=cut)
+            except _NotRepeating:
+                pass
+            except TraceError:
+                pass  # a model that cannot run a cut trunk (it indexes its layers, say): its whole trunk says why not
+    return _trace_both(model, microbatch, config, trunk, cut=None)
+
+
+class _NotRepeating(Exception):
+    """The two traced children of a repeating trunk keep different bytes."""
+
+
+def _trace_both(
+    model: nn.Module, microbatch: Any, config: SMPConfig, trunk: str | None, *, cut: Cut | None
+) -> ActivationTrace:
     # What a checkpointed child rebuilds in its backward is what it keeps without checkpointing.
-    plain, host = _trace(model, microbatch, config, checkpoint=False)
+    plain, host = _trace(model, microbatch, config, trunk, checkpoint=False, cut=cut)
     kept = plain
     if any(activation_checkpointing.is_marked(module) for module in model.modules()):
-        kept, host = _trace(model, microbatch, config, checkpoint=True)
-    transient = {bucket: max(0, plain.total([bucket]) - kept.total([bucket])) for bucket in plain.saved}
+        kept, host = _trace(model, microbatch, config, trunk, checkpoint=True, cut=cut)
+    transient = {bucket: max(0, _total(plain, [bucket]) - _total(kept, [bucket])) for bucket in plain}
     horizon = config.activation_loading_horizon + 1  # the layer backward is in, and those loaded ahead of it
     for bucket, largest in host.items():
         transient[bucket] = transient.get(bucket, 0) + horizon * largest
-    return ActivationTrace(kept.saved, transient, _shapes(microbatch))
+    return ActivationTrace(kept, transient, _shapes(microbatch), cut)
+
+
+def _total(saved: Mapping[str, Mapping[int, int]], buckets: Iterable[str]) -> int:
+    return sum({key: size for bucket in buckets for key, size in saved.get(bucket, {}).items()}.values())
 
 
 def _trace(
-    model: nn.Module, microbatch: Any, config: SMPConfig, *, checkpoint: bool
-) -> tuple[SavedBytes, dict[str, int]]:
-    """Run one microbatch forward and backward through a meta copy of ``model`` laid out as ``config`` says (with its
-    activation checkpointing, or without); the bytes saved on the device, and per bucket the largest offloaded
-    module's bytes."""
-    traced = _meta_copy(model)
+    model: nn.Module,
+    microbatch: Any,
+    config: SMPConfig,
+    trunk_name: str | None,
+    *,
+    checkpoint: bool,
+    cut: Cut | None,
+) -> tuple[dict[str, dict[int, int]], dict[str, int]]:
+    """Run one microbatch forward and backward through a meta copy of ``model`` built as ``config`` lays it out
+    (`build.plan_and_apply` under a `ShapeOnlyTopology`; with its activation checkpointing, or without), the trunk
+    ``cut`` (repeating: `repeated_layers`) to the children it traces; per bucket, the storages saved on the device
+    and the largest offloaded module's bytes, for the whole trunk."""
+    left_out = [] if cut is None or trunk_name is None else cut.left_out(model.get_submodule(trunk_name))
+    traced = _meta_copy(model, leave_out=left_out)
     traced.train()
-    tp = config.tensor_parallel_degree
-    if tp > 1:
-        plan = plan_tensor_parallel(
-            traced, tp_size=tp, patterns=config.tensor_parallel_plan, sequence_parallel=config.sequence_parallel
+    trunk = None if trunk_name is None else traced.get_submodule(trunk_name)
+    if cut is not None:
+        assert trunk is not None
+        cut.apply(trunk)
+    host = _HostCounter()
+    if not checkpoint:  # as if nothing were marked: what the marked modules would keep
+        activation_checkpointing.clear_marks(traced)
+        config = dataclasses.replace(config, offload_activations=False)
+    with _quiet():  # the run warns about its layout itself
+        build.plan_and_apply(
+            traced,
+            topology=build.ShapeOnlyTopology.of(config),
+            config=config,
+            device=torch.device("meta"),
+            offloader=host if config.offload_activations else None,  # type: ignore[arg-type]
         )
-        apply_plan(plan, TensorParallel(group=ShapeOnlyGroup(0, tp), rank=0, size=tp, rng=TensorParallelRNG(0)))
-    precision = SMPPrecision(config.half_dtype) if config.half_dtype is not None else None
-    if precision is not None:
+    if config.half_dtype is not None:  # as Lightning converts the strategy's model, after the split
+        precision = SMPPrecision(config.half_dtype)
         precision.convert_module(traced)
         microbatch = precision.convert_input(microbatch)
-    trunk = _trunk(traced, config)
-    host = _HostCounter()
-    if checkpoint:
-        offloader = host if config.offload_activations else None
-        pipelined = trunk if config.pipeline_parallel_degree > 1 else None
-        activation_checkpointing.apply(traced, pipelined_trunk=pipelined, offloader=offloader)  # type: ignore[arg-type]
-    exclude = [*traced.parameters(), *traced.buffers()]
-    saved = SavedBytes(exclude=exclude)
-    with saved, by_trunk_child(trunk, saved, host), _quiet(), _fused_attention(), torch.device("meta"), _layout(config):
-        loss = _loss(traced, microbatch)
+    saved = SavedBytes(exclude=[*traced.parameters(), *traced.buffers()])
+    handoffs = Handoffs(saved.key)
+    watch = handoffs.watching(trunk) if cut is not None and trunk is not None else contextlib.nullcontext()
+    with contextlib.ExitStack() as stack:
+        for context in (saved, by_trunk_child(trunk, saved, host), watch, _quiet(), _fused_attention()):
+            stack.enter_context(context)
+        with torch.device("meta"), _layout(config):
+            loss = _loss(traced, microbatch)
     if not isinstance(loss, Tensor) or not loss.requires_grad:
         raise TraceError(
             f"{type(model).__name__} gave {type(loss).__name__} to backpropagate, not a tensor that requires grad; "
@@ -178,33 +240,48 @@ def _trace(
             f"the backward of {type(model).__name__} failed on the meta device ({type(error).__name__}: "
             f"{_first_line(error)})"
         ) from error
-    return saved, host.largest
+    if cut is None:
+        return saved.saved, host.largest
+    alike = not cut.first_alike or host.largest.get("0") == host.largest.get("1")
+    if not (alike and repeated_layers.same_bytes(saved.saved, handoffs, cut)):
+        raise _NotRepeating
+    whole = repeated_layers.extend(saved.saved, handoffs, cut, after=AFTER)
+    return whole, repeated_layers.extend_values(host.largest, cut)
 
 
-def _meta_copy(model: nn.Module) -> nn.Module:
+def _meta_copy(model: nn.Module, *, leave_out: Sequence[nn.Module] = ()) -> nn.Module:
     """A deep copy of ``model`` whose parameters and buffers are new tensors on the meta device (tied weights stay
-    tied; nothing is allocated), with no Trainer attached."""
-    memo: dict[int, Any] = {}
-    for param in {id(p): p for p in model.parameters()}.values():
+    tied; nothing is allocated), with no Trainer or Fabric attached; ``leave_out`` modules become None in it."""
+    memo: dict[int, Any] = {id(module): None for module in leave_out}
+    kept = _modules_besides(model, memo.keys())
+    for param in {id(p): p for module in kept for p in module.parameters(recurse=False)}.values():
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    for buffer in {id(b): b for b in model.buffers()}.values():
+    for buffer in {id(b): b for module in kept for b in module.buffers(recurse=False)}.values():
         memo[id(buffer)] = torch.empty_like(buffer, device="meta")
-    trainer = attached_trainer(model)
-    if trainer is not None:
-        memo[id(trainer)] = None
+    if isinstance(model, pl.LightningModule):
+        if model.fabric is not None:
+            memo[id(model.fabric)] = None
+        else:
+            with contextlib.suppress(RuntimeError):  # not attached to a Trainer
+                memo[id(model.trainer)] = None
     try:
         return copy.deepcopy(model, memo)
     except Exception as error:
         raise TraceError(f"copying {type(model).__name__} failed ({type(error).__name__}: {error})") from error
 
 
-def _trunk(model: nn.Module, config: SMPConfig) -> nn.Module | None:
-    try:
-        return find_trunk(model, config.pipeline_module)[1]
-    except ValueError:
-        if config.pipeline_parallel_degree > 1:
-            raise
-        return None  # nothing to pipeline: the whole model is one bucket
+def _modules_besides(model: nn.Module, leave_out: Iterable[int]) -> list[nn.Module]:
+    """``model``'s modules, each once, but for those of ids ``leave_out`` and what only they hold."""
+    seen = set(leave_out)
+    found, stack = [], [model]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(module.children())
+    return found
 
 
 @contextmanager

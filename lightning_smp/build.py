@@ -7,7 +7,9 @@ units of sharded data parallelism (`plan_units`). `plan` is pure over the module
 costs nothing), so the memory planner (`memory.py`) reads exactly the plan the strategy applies. `plan_and_apply`
 then splits the model over the tensor-parallel ranks, wraps the modules marked for activation checkpointing, keeps
 this rank's pipeline stage, shards what is left over the sdp ranks and, for a model built on the meta device, gives
-each tensor the rank keeps its values (`materialization`). How each step is done is its module's business.
+each tensor the rank keeps its values (`materialization`). Under a `ShapeOnlyTopology` (no processes) it stops after
+the checkpointing: the memory planner measures activations on a meta copy built so, by this same code. How each step
+is done is its module's business.
 """
 
 from __future__ import annotations
@@ -34,13 +36,14 @@ from lightning_smp.pipeline.partition import (
 )
 from lightning_smp.pipeline.runtime import PipelineEngine, build_engine
 from lightning_smp.pipeline.trace import measure_children
+from lightning_smp.tensor_parallel.comm import ShapeOnlyGroup
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
     from lightning_smp.topology import Topology
 
-__all__ = ["BuildPlan", "plan", "plan_and_apply"]
+__all__ = ["BuildPlan", "ShapeOnlyTopology", "plan", "plan_and_apply"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -52,7 +55,9 @@ class BuildPlan:
     tensor_parallel: TensorParallelPlan
     """The modules tensor parallelism splits (``sharded_specs``: every parameter it splits, by name)."""
     trunk: tuple[str, nn.Module] | None
-    """The pipelined trunk (name, module), or None without a pipeline (and no sharded data parallelism)."""
+    """The trunk (name, module): the sequential container the pipeline cuts into stages, whose children sharded data
+    parallelism makes its units and the memory planner measures one by one; None when the model has none (required
+    only with a pipeline, or with a ``pipeline_module`` named under sharded data parallelism)."""
     partition: PartitionPlan | None = None
     """The trunk's children over the stages; None without a pipeline."""
     outside: OutsidePlan | None = None
@@ -104,44 +109,76 @@ def _partitioned(
 
 
 def _trunk(model: nn.Module, config: SMPConfig, *, pp: int, sdp: int) -> tuple[str, nn.Module] | None:
-    """The trunk the pipeline cuts (pp > 1: required) or whose children sharded data parallelism makes its units
-    (without one, the root is the only sharded unit)."""
-    if pp > 1:
+    """The trunk the pipeline cuts (pp > 1: required), whose children sharded data parallelism makes its units
+    (without one, the root is the only sharded unit) and the memory planner measures; None when there is none."""
+    try:
         return find_trunk(model, config.pipeline_module)
-    if sdp > 1:
-        try:
-            return find_trunk(model, config.pipeline_module)
-        except ValueError:
-            if config.pipeline_module is not None:
-                raise
+    except ValueError:
+        if pp > 1 or (sdp > 1 and config.pipeline_module is not None):
+            raise
     return None
+
+
+@dataclass(frozen=True)
+class ShapeOnlyTopology:
+    """Stands in for the `Topology` of rank 0 of a ``pp`` x ``tp`` layout (``sdp`` sharded) when only shapes matter:
+    every group is a `ShapeOnlyGroup`, so nothing communicates. `plan_and_apply` under it, on a model on the meta
+    device, applies what changes what a rank keeps for backward (tensor parallelism, activation checkpointing and
+    offloading, as the pipeline has them) and stops before what needs processes: the partition and the pipeline
+    engine, sharding over the sdp ranks, materialisation. The memory planner measures activations on a model built
+    so (a repeating trunk cut to its first layers, which a partition into ``pp`` stages could not take)."""
+
+    pp: int = 1
+    tp: int = 1
+    sdp: int = 1
+
+    @classmethod
+    def of(cls, config: SMPConfig) -> ShapeOnlyTopology:
+        """Rank 0 of ``config``'s layout."""
+        return cls(config.pipeline_parallel_degree, config.tensor_parallel_degree, config.sharded_data_parallel_degree)
+
+    def size(self, axis: str) -> int:
+        return {"pp": self.pp, "tp": self.tp, "sdp": self.sdp}.get(axis, 1)
+
+    def rank(self, axis: str) -> int:
+        return 0
+
+    def group(self, axis: str) -> ShapeOnlyGroup:
+        return ShapeOnlyGroup(0, self.size(axis))
 
 
 def plan_and_apply(
     model: nn.Module,
     *,
-    topology: Topology,
+    topology: Topology | ShapeOnlyTopology,
     config: SMPConfig,
     device: torch.device,
     engine: PipelineEngine | None = None,
+    offloader: ActivationOffloader | None = None,
 ) -> PipelineEngine | None:
     """Split ``model`` in place for this rank of ``topology``: tensor parallelism, activation checkpointing, this
     rank's pipeline stage (in this order: see `activation_checkpointing`), then under sharded data parallelism
     FSDP2's shards. A model on the meta device is planned, pruned and sharded so, then only what this rank keeps is
     materialised, on ``device`` (the values a single-device build gives: its recorded initialisation, or its
     checkpoint files). Returns the pipeline engine (``engine`` when a later fit/validate reuses it), or None.
+    ``offloader`` keeps what checkpointed modules save under ``offload_activations`` (an `ActivationOffloader` by
+    default; the memory planner passes one that counts).
 
     Collective over the run's groups. Running it again on the same model (``trainer.validate`` after ``fit``)
-    applies only what is new.
+    applies only what is new. Under a `ShapeOnlyTopology` it returns after the activation checkpointing.
     """
     on_meta = has_meta_tensors(model)
+    rehearsal = isinstance(topology, ShapeOnlyTopology)
     builds_pipeline = topology.pp > 1 and (engine is None or engine.module is not model)
-    stages = topology.pp if builds_pipeline else 1
+    stages = topology.pp if builds_pipeline and not rehearsal else 1  # a rehearsal builds no engine: no partition
     built = plan(model, config=config, tp=topology.size("tp"), pp=stages, sdp=topology.sdp)
     tensor_parallel.parallelize(model, topology=topology, config=config, plan=built.tensor_parallel)
-    offloader = ActivationOffloader(config.activation_loading_horizon) if config.offload_activations else None
+    if offloader is None and config.offload_activations:
+        offloader = ActivationOffloader(config.activation_loading_horizon)
     trunk = built.trunk[1] if builds_pipeline and built.trunk is not None else None
     activation_checkpointing.apply(model, pipelined_trunk=trunk, offloader=offloader)
+    if rehearsal:
+        return None  # no ranks to route the stages over, shard over or materialise for
     if builds_pipeline:
         assert trunk is not None and built.partition is not None
         example = getattr(model, "example_input_array", None)

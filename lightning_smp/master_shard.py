@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_smp import collectives
 from lightning_smp._compat import foreach_copy_, foreach_zero_
 from lightning_smp.grad_vote import Counted, norm_copies
 from lightning_smp.overlap import Launched, ReadyBuckets
@@ -366,10 +367,10 @@ class ShardedMasters:
             own = flat[bucket.lo : bucket.lo + bucket.grad.numel()]
             return Launched(work, functools.partial(bucket.grad.copy_, own))
         if bucket.dtype == torch.float32:  # reduce-scattered into the grad share in place
-            work = dist.reduce_scatter_tensor(bucket.grad, flat, group=self._group(), async_op=True)
+            work = collectives.reduce_scatter_single(bucket.grad, flat, group=self._group(), async_op=True)
             return Launched(work, _nothing)
         share = torch.empty_like(bucket.grad, dtype=bucket.dtype)
-        work = dist.reduce_scatter_tensor(share, flat, group=self._group(), async_op=True)
+        work = collectives.reduce_scatter_single(share, flat, group=self._group(), async_op=True)
         return Launched(work, functools.partial(bucket.grad.copy_, share))
 
     def finite_check_grads(self) -> None:
@@ -387,7 +388,7 @@ class ShardedMasters:
         """All-gather the updated shares into every replica's parameters (in their dtype)."""
         for bucket in self._buckets:
             full = torch.empty(bucket.padded, dtype=bucket.dtype, device=bucket.master.device)
-            dist.all_gather_into_tensor(full, bucket.master.to(bucket.dtype), group=self._group())
+            collectives.all_gather_single(full, bucket.master.to(bucket.dtype), group=self._group())
             foreach_copy_(bucket.params, _views(full, bucket.params))
 
     def after_step(self) -> None:

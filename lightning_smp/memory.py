@@ -286,6 +286,7 @@ def fitting_layouts(
     traces: dict[tuple[int, bool], ActivationTrace | TraceError] = {}  # per tensor-parallel degree, pipelined or not
     found = []
     for degrees in _layouts(devices):
+        plans: dict[int, build.BuildPlan] = {}  # per sdp: the optimizer state's sharding does not change the plan
         for layout in _sharding_tries(degrees, base):
             try:
                 layout_config = dataclasses.replace(
@@ -306,7 +307,11 @@ def fitting_layouts(
                     micro_batch_size=micro_batch_size,
                     sequence_length=sequence_length,
                 )
-                report = _report(module, layout, layout_config, memory, sized, traces)
+                if layout.sdp not in plans:
+                    plans[layout.sdp] = build.plan(
+                        module, config=layout_config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp
+                    )
+                report = _report(module, layout, layout_config, memory, sized, traces, plans[layout.sdp])
             except ValueError:
                 break  # the model cannot take these degrees; its own error says why when they are the configured ones
             if report.fits:
@@ -363,9 +368,11 @@ def _report(
     device_memory: int | None,
     batch: Any,
     traces: dict[tuple[int, bool], ActivationTrace | TraceError],
+    built: build.BuildPlan | None = None,
 ) -> MemoryReport:
     params = _named_parameters(model)
-    built = build.plan(model, config=config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp)
+    if built is None:
+        built = build.plan(model, config=config, tp=layout.tp, pp=layout.pp, sdp=layout.sdp)
     sharded = set(built.split_ids)
     pipeline = None
     if built.partition is not None and built.outside is not None:
@@ -374,7 +381,7 @@ def _report(
 
     fp32_owners = {id(p) for m in model.modules() if isinstance(m, BatchNormBase) for p in m.parameters()}
     half = config.half_dtype
-    activations, recompute, note = _activations(model, placement, config, batch, traces)
+    activations, recompute, note = _activations(model, placement, config, batch, traces, built)
     groups = rank_groups(config.placement_order, dp=layout.dp, pp=layout.pp, tp=layout.tp)["pp"]
     held = {key: placement.stages_of(names) for key, (_, names) in params.items()}  # once: it walks the plan
     ranks = []
@@ -542,6 +549,7 @@ def _activations(
     config: SMPConfig,
     batch: Any,
     traces: dict[tuple[int, bool], ActivationTrace | TraceError],
+    built: build.BuildPlan,
 ) -> tuple[list[int] | None, list[int], str]:
     """Per stage, the bytes one microbatch keeps for backward and what its backward rebuilds, measured by tracing
     ``batch`` through ``model`` as ``config`` lays it out (`trace_activations`; ``traces`` caches one trace per
@@ -559,7 +567,7 @@ def _activations(
     key = (config.tensor_parallel_degree, config.pipeline_parallel_degree > 1)
     if key not in traces:
         try:
-            traces[key] = trace_activations(model, batch, config=config)
+            traces[key] = trace_activations(model, batch, config=config, built=built)
         except TraceError as error:
             traces[key] = error
     trace = traces[key]

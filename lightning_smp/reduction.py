@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_smp import collectives
 from lightning_smp._compat import flatten_dense_tensors, foreach_copy_, unflatten_dense_tensors
 from lightning_smp.overlap import Launched
 
@@ -65,7 +66,8 @@ class ReductionPlan:
     """ZeRO-1 on gloo (CPU): each replica's share taken from a whole all-reduce rather than a reduce-scatter. Gloo's
     ``reduce_scatter_tensor`` is no ring reduce-scatter: on two CPU ranks it took 21 ms for 8.4 MB where
     ``all_reduce`` took 11 ms (docs/benchmarks.md, "ZeRO-1 step time"); the sums are the same for two replicas
-    and differ only in rounding order beyond. NCCL's reduce-scatter moves half the bytes, and is kept."""
+    and differ only in rounding order beyond. NCCL's reduce-scatter moves half the bytes, and is kept (and gloo's,
+    inside `collectives.native_on_cpu`)."""
 
     @property
     def wraps_ddp(self) -> bool:
@@ -107,7 +109,7 @@ def plan_reduction(config: SMPConfig, topology: Topology) -> ReductionPlan:
         mechanism = "pipeline"
     else:
         mechanism = "ddp"
-    scatter_by_all_reduce = mechanism == "reduce_scatter" and topology.mesh.device_type == "cpu"
+    scatter_by_all_reduce = mechanism == "reduce_scatter" and not collectives.native(topology.mesh.device_type)
     return ReductionPlan(mechanism=mechanism, replicas=replicas, scatter_by_all_reduce=scatter_by_all_reduce)
 
 

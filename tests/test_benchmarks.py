@@ -165,3 +165,12 @@ def test_split_backward_cost_reports_both_passes_against_the_whole_backward(tmp_
     assert [row["width"] for row in rows] == [8, 16]
     for row in rows:
         assert all(_positive(row[key]) for key in ("whole_ms", "input_pass_ms", "weight_pass_ms", "split_over_whole"))
+
+
+def test_planner_cost_reports_the_estimates_cpu_seconds_and_the_layouts_listed(tmp_path: Path) -> None:
+    out = tmp_path / "planner.json"
+    estimate = "--config examples/configs/pp_tp_dp.yaml --device-memory 1GiB --devices 2 --sequence-length 8"
+    run_benchmark("planner_cost.py", "--estimate", estimate, "--repeats", "1", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["command"] == f"lightning-smp estimate {estimate}"
+    assert _positive(row["cpu_s"]) and _positive(row["import_cpu_s"]) and row["layouts_listed"] > 0

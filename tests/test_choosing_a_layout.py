@@ -46,7 +46,7 @@ def test_the_page_has_both_worked_examples() -> None:
         assert any(f"examples/planning/{config}.yaml " in command for command in commands), config
 
 
-@pytest.mark.timeout(900)  # the 70B listing: 63 CPU s (traces per tp degree), 335 s wall at load 24
+@pytest.mark.timeout(900)  # the 70B listing: ~3 CPU s (63 before the trace of two layers), minutes at load 24
 @pytest.mark.parametrize("command", [command for command, _ in _blocks()])
 def test_each_estimate_on_the_page_prints_what_the_page_shows(command: str) -> None:
     shown = dict(_blocks())[command]

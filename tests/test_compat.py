@@ -323,14 +323,6 @@ def test_lightning_child_process_observer():
     _compat.stop_child_process_observer()  # none running here: a no-op
 
 
-def test_lightning_trainer_a_module_is_attached_to():
-    module = pl.LightningModule()
-    assert _compat.attached_trainer(module) is None and _compat.attached_trainer(nn.Linear(1, 1)) is None
-    trainer = _trainer()
-    module.trainer = trainer
-    assert _compat.attached_trainer(module) is trainer
-
-
 def test_lightning_log_replaced_on_the_instance():
     module = pl.LightningModule()
     calls = []

@@ -340,6 +340,7 @@ _GROUP_OF_PATH = {
     "topology.py": "Launching and failures",
     "reduction.py": "Launching and failures",  # the plan of who reduces gradients; raises nothing of its own
     "overlap.py": "Launching and failures",  # reductions started during backward
+    "collectives.py": "Launching and failures",  # which way an all-gather or reduce-scatter runs; raises nothing
     "fault_tolerance.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
     "version.py": "Launching and failures",  # the version string; raises nothing
@@ -354,6 +355,7 @@ _GROUP_OF_PATH = {
     "units.py": "Model creation and memory",
     "memory.py": "Model creation and memory",
     "activation_memory.py": "Model creation and memory",
+    "repeated_layers.py": "Model creation and memory",  # the planner's trace of a repeated trunk; raises nothing
     "memory_plot.py": "Model creation and memory",
     "sharded_data_parallel.py": "Model creation and memory",
     "tensor_parallel/": "Tensor parallelism",

@@ -5,7 +5,8 @@ gradient norm must agree (fp32 to 1e-5, fp16 to 2e-2); the sharded rank must hol
 optimizer state, and hand a checkpoint only its share; and a sharded checkpoint must resume unsharded, at another
 dp degree, and consolidate. The reduction in several buckets (a small cap, and a stock model past the default cap)
 matches the single-device run, starts during the backward before a step and never during an accumulation
-micro-step, and every collective it starts is waited for in its step.
+micro-step, and every collective it starts is waited for in its step. On gloo ZeRO-1 takes each replica's share
+from an all-reduce; inside `collectives.native_on_cpu` it reduce-scatters, as on NCCL, and must match the same runs.
 """
 
 import dataclasses
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
-from lightning_smp import SMPStrategy
+from lightning_smp import SMPStrategy, collectives
 from lightning_smp import strategy as strategy_module
 from lightning_smp.checkpoint import consolidate_checkpoint, model_state_dict, optimizer_state_dict
 from lightning_smp.grad_vote import clip_grad_norm_counted
@@ -62,18 +63,19 @@ class _Record(Callback):
 
 
 class _Launches(Callback):
-    """Per training batch, the asynchronous all-reduces started (ZeRO-1's buckets on gloo; nothing else here starts
-    one), those waited for, and how many had started when the backward computed the gradient of ``first`` (the
-    model's first weight, the last gradient of a backward: None where no backward reached it, or this rank does
+    """Per training batch, the asynchronous all-reduces and reduce-scatters started (ZeRO-1's buckets: all-reduces
+    on gloo, reduce-scatters inside `collectives.native_on_cpu`; nothing else here starts one), of them the
+    reduce-scatters, those waited for, and how many had started when the backward computed the gradient of ``first``
+    (the model's first weight, the last gradient of a backward: None where no backward reached it, or this rank does
     not hold it)."""
 
     def __init__(self, first) -> None:
         self.first, self.batches = first, []
-        self.launched = self.waited = 0
+        self.launched = self.scattered = self.waited = 0
 
     @contextmanager
     def counting(self):
-        all_reduce, record = dist.all_reduce, self
+        all_reduce, reduce_scatter, record = dist.all_reduce, collectives.reduce_scatter_single, self
 
         class Counted:
             def __init__(self, work):
@@ -90,7 +92,16 @@ class _Launches(Callback):
             record.launched += 1
             return Counted(work)
 
-        with mock.patch.object(dist, "all_reduce", counted_all_reduce):
+        def counted_reduce_scatter(output, tensor, *args, async_op=False, **kwargs):
+            work = reduce_scatter(output, tensor, *args, async_op=async_op, **kwargs)
+            if not async_op:
+                return work
+            record.launched += 1
+            record.scattered += 1
+            return Counted(work)
+
+        scattering = mock.patch.object(collectives, "reduce_scatter_single", counted_reduce_scatter)
+        with mock.patch.object(dist, "all_reduce", counted_all_reduce), scattering:
             yield
 
     def on_train_start(self, trainer, pl_module):
@@ -99,11 +110,11 @@ class _Launches(Callback):
             first.register_hook(lambda grad: self.batches[-1].update(at_first_weight=self.launched))
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.launched = self.waited = 0
+        self.launched = self.scattered = self.waited = 0
         self.batches.append({"at_first_weight": None})
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.batches[-1].update(launched=self.launched, waited=self.waited)
+        self.batches[-1].update(launched=self.launched, scattered=self.scattered, waited=self.waited)
 
 
 @contextmanager
@@ -229,6 +240,9 @@ def _dp2_job(rank: int, root: str) -> dict:
     results["fp32_sharded_buckets"] = _fit(SHARD, bucket_bytes=32)
     results["fp16_accumulated_sharded_buckets"] = _fit({**FP16, **SHARD}, accumulate=2, bucket_bytes=32)
     results["llama_sharded"] = _fit_llama()
+    with collectives.native_on_cpu():  # the reduce-scatters NCCL runs, on gloo
+        results["fp32_sharded_buckets_native"] = _fit(SHARD, bucket_bytes=32)
+        results["fp16_accumulated_sharded_buckets_native"] = _fit({**FP16, **SHARD}, accumulate=2, bucket_bytes=32)
     saved = root / "fp16" / f"epoch=0-step={SAVED_AT}.ckpt"
     results["resumed_unsharded"] = _fit(FP16, ckpt_path=saved)
     results["resumed_sharded"] = _fit({**FP16, **SHARD}, ckpt_path=saved)
@@ -331,6 +345,30 @@ def test_nothing_is_reduced_during_an_accumulation_micro_step_and_every_reductio
         micro_steps, steps = run["launches"][0::2], run["launches"][1::2]
         assert all(batch["launched"] == batch["waited"] == 0 for batch in micro_steps)
         assert all(batch["launched"] == batch["waited"] == 4 and batch["at_first_weight"] >= 1 for batch in steps)
+
+
+@pytest.mark.timeout(600)
+def test_dp2_sharded_reduce_scatters_during_the_backward_as_on_nccl_and_matches_one_device(dp2):
+    """The branch a CPU run never takes: each bucket's share by gloo's own asynchronous reduce-scatter (fp32 in
+    place, fp16 through a share in its dtype), started during the backward before a step, none during an
+    accumulation micro-step, every one waited for; the same runs as the all-reduce's."""
+    reference = single_device_run(_regressor, _regressor_loss, steps=STEPS, replicas=2, clip_norm=0.1)
+    run = [rank["fp32_sharded_buckets_native"] for rank in dp2]
+    assert mean_losses(run, steps=STEPS) == pytest.approx(reference["losses"], rel=FP32_REL)
+    for rank in dp2:
+        native = rank["fp32_sharded_buckets_native"]
+        _assert_same_run(native, rank["fp32"], FP32_REL)
+        for batch in native["launches"]:
+            assert batch["scattered"] == batch["launched"] == batch["waited"] == 4 and batch["at_first_weight"] >= 1
+        accumulated = rank["fp16_accumulated_sharded_buckets_native"]
+        _assert_same_run(accumulated, rank["fp16_accumulated"], 2e-2)
+        assert accumulated["skipped"] >= 1
+        micro_steps, steps = accumulated["launches"][0::2], accumulated["launches"][1::2]
+        assert all(batch["launched"] == batch["waited"] == 0 for batch in micro_steps)
+        for batch in steps:
+            assert batch["scattered"] == batch["launched"] == batch["waited"] == 4 and batch["at_first_weight"] >= 1
+    for rank in dp2:  # outside the block, gloo's all-reduce
+        assert all(batch["scattered"] == 0 for batch in rank["fp32_sharded_buckets"]["launches"])
 
 
 @pytest.mark.timeout(600)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lightning_smp import collectives
 from lightning_smp.config import SMPConfig
 from lightning_smp.reduction import backward_buckets, buckets, plan_reduction
 
@@ -60,3 +61,12 @@ def test_backward_buckets_put_first_the_bucket_backward_finishes_first():
     ]
     # one bucket per dtype: the fp32 one is complete before the half one
     assert [[id(t) for t in b] for b in backward_buckets([half, first, last])] == [[id(last), id(first)], [id(half)]]
+
+
+def test_zero1_reduce_scatters_on_gloo_inside_native_on_cpu_as_on_nccl():
+    sharded = SMPConfig(shard_optimizer_state=True)
+    with collectives.native_on_cpu():
+        assert not plan_reduction(sharded, _topology(dp=2)).scatter_by_all_reduce
+        assert collectives.native("cpu") and collectives.native(torch.device("cpu"))
+    assert plan_reduction(sharded, _topology(dp=2)).scatter_by_all_reduce  # the block ended: gloo's all-reduce
+    assert not collectives.native("cpu") and collectives.native("cuda")

@@ -3,12 +3,15 @@ grads, on gloo groups of 2 and 4 ranks, plus the dropout streams.
 
 Each case builds the whole module once (seeded, the same on every rank), deep-copies it, splits the copy with
 `parallelize` and runs both on the same inputs. One launch per world size runs every check (`_run_checks`); the
-tests here assert on what it returned.
+tests here assert on what it returned. The sequence-parallel cases run twice: with the point-to-point exchanges
+gloo takes, and inside `collectives.native_on_cpu` with the all-gathers and reduce-scatters NCCL takes.
 """
 
+import contextlib
 import copy
 import itertools
 from collections.abc import Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_smp import activation_checkpointing
+from lightning_smp import activation_checkpointing, collectives
 from lightning_smp import topology as topology_builder
 from lightning_smp.activation_checkpointing import set_activation_checkpointing
 from lightning_smp.config import SMPConfig
@@ -243,15 +246,41 @@ def check_layers() -> dict[str, float]:
     layers = {name: case for name, case in _all_cases().items() if name.startswith(("encoder", "decoder"))}
     cases.update({f"{name}[sequence_parallel]": (case, sequence_parallel) for name, case in layers.items()})
     cases["region[sequence_parallel,dropout]"] = (_sequence_region_case(), sequence_parallel)
-    errors = {}
+    native = {name.replace("sequence_parallel", "sequence_parallel,native"): case for name, case in cases.items()}
+    cases.update({name: case for name, case in native.items() if "native" in name})
+    errors, calls = {}, {}
     for name, ((build, inputs, forward), case_config) in cases.items():
-        try:
-            errors[name] = _compare_case(build, inputs, forward, topology=topology, config=case_config)
-        except Exception as error:
-            raise AssertionError(f"case {name}: {error}") from error
+        with _counted_collectives() as counted, collectives.native_on_cpu() if "native" in name else _nothing():
+            try:
+                errors[name] = _compare_case(build, inputs, forward, topology=topology, config=case_config)
+            except Exception as error:
+                raise AssertionError(f"case {name}: {error}") from error
+        calls[name] = counted
     errors.update(_eval_encoder_skips_fused_kernels(topology, config))
     errors.update(_vocab_cross_entropy_reductions(topology))
-    return errors
+    return {"errors": errors, "collectives": calls}
+
+
+_nothing = contextlib.nullcontext
+
+
+@contextlib.contextmanager
+def _counted_collectives():
+    """Counts the calls of the backend's own all-gather and reduce-scatter (`collectives`) in the block."""
+    counted = {"all_gather": 0, "reduce_scatter": 0}
+
+    def counting(kind, collective):
+        def call(*args, **kwargs):
+            counted[kind] += 1
+            return collective(*args, **kwargs)
+
+        return call
+
+    gather = counting("all_gather", collectives.all_gather_single)
+    scatter = counting("reduce_scatter", collectives.reduce_scatter_single)
+    patched = mock.patch.object(collectives, "all_gather_single", gather)
+    with patched, mock.patch.object(collectives, "reduce_scatter_single", scatter):
+        yield counted
 
 
 def _eval_encoder_skips_fused_kernels(topology, config) -> dict[str, float]:
@@ -361,11 +390,27 @@ def launch(world: int) -> list[dict]:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_layers_match_the_whole_layer(world):
-    results = [rank["layers"] for rank in launch(world)]
+    results = [rank["layers"]["errors"] for rank in launch(world)]
     assert results[0].keys() == results[-1].keys()
     assert len(results[0]) > 40
     assert sum(name.endswith("[sequence_parallel]") for name in results[0]) >= 14
     assert max(results[0].values()) < 1e-5
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [2, 4])
+def test_sequence_parallel_layers_match_the_whole_layer_through_the_collectives_nccl_runs(world):
+    """On gloo, a CPU run's all-gathers and reduce-scatters are point-to-point exchanges; inside
+    `collectives.native_on_cpu` they are the backend's own collectives, the code NCCL runs on a GPU cluster."""
+    for rank in launch(world):
+        errors, calls = rank["layers"]["errors"], rank["layers"]["collectives"]
+        native = [name for name in errors if "sequence_parallel,native" in name]
+        assert len(native) == sum("[sequence_parallel" in name for name in errors) // 2 >= 15
+        assert max(errors[name] for name in native) < 1e-5
+        for name in native:
+            assert calls[name]["all_gather"] > 0 and calls[name]["reduce_scatter"] > 0, name
+        exchanged = [counts for name, counts in calls.items() if "native" not in name]
+        assert all(counts == {"all_gather": 0, "reduce_scatter": 0} for counts in exchanged)
 
 
 @pytest.mark.timeout(300)

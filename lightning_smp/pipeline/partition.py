@@ -89,9 +89,11 @@ class PartitionPlan:
         return tuple(range(stage, self.num_chunks, self.stages))
 
     def stage_of(self, child: int) -> int:
-        for chunk in range(self.num_chunks):
-            if child in self.chunk_range(chunk):
+        start = 0
+        for chunk, size in enumerate(self.sizes):
+            if start <= child < start + size:
                 return chunk % self.stages
+            start += size
         raise IndexError(f"the trunk has no child {child}")
 
     def owned(self, stage: int) -> tuple[int, ...]:

@@ -22,7 +22,7 @@ entry (norms, dropouts, residual adds) holds 1/tp of the sequence; the same byte
 Each takes the tensor-parallel process group explicitly. They are written as autograd functions over plain tensors
 rather than DTensor redistributions because the parameters stay plain tensors (see the package docstring). On CPU
 tensors (gloo) the all-gathers and reduce-scatters go as point-to-point exchanges (`_exchange`), cheaper there than
-gloo's own collectives.
+gloo's own collectives; inside `collectives.native_on_cpu` (tests) as NCCL runs them, through gloo's collectives.
 A `ShapeOnlyGroup` in place of the group makes every collective return a tensor of the shape it would return,
 without communicating: the memory planner traces a split model on the meta device as one rank of the group.
 """
@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_smp import collectives
+
 __all__ = [
     "ShapeOnlyGroup",
     "all_reduce_",
@@ -49,10 +51,6 @@ __all__ = [
     "scatter_to_region",
     "split_sequence",
 ]
-
-# torch 2.13 renamed the single-tensor collectives; older versions (>= 2.5, this package's floor) have the old names
-_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 Group = Any  # dist.ProcessGroup or ShapeOnlyGroup
 _DimOp = Callable[[Tensor, int, Group], Tensor]
@@ -95,12 +93,12 @@ def _all_gather(tensor: Tensor, dim: int, group: Group) -> Tensor:
     dim = dim % tensor.dim()
     tensor = tensor.contiguous()
     gathered = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))  # rank r's tensor is block r
-    if tensor.device.type == "cpu":
+    if not collectives.native(tensor.device):
         blocks = list(gathered.chunk(size))
         blocks[group.rank()].copy_(tensor)
         _exchange([tensor] * size, blocks, group)
     else:
-        _gather_single(gathered, tensor, group=group)
+        collectives.all_gather_single(gathered, tensor, group=group)
     if dim == 0:
         return gathered
     return torch.cat(gathered.chunk(size), dim=dim)  # one copy, in runs as long as the dims after ``dim``
@@ -115,14 +113,14 @@ def _reduce_scatter(tensor: Tensor, dim: int, group: Group) -> Tensor:
     dim = dim % tensor.dim()
     # rank r's slice laid out as block r: a view for dim 0 of a contiguous tensor, else one copy in long runs
     stacked = tensor.contiguous() if dim == 0 else torch.cat(tensor.chunk(size, dim=dim), dim=0)
-    if tensor.device.type == "cpu":
+    if not collectives.native(tensor.device):
         mine = list(stacked.chunk(size))
         received = [torch.empty_like(block) for block in mine]
         received[group.rank()] = mine[group.rank()]
         _exchange(mine, received, group)
         return functools.reduce(torch.add, received)  # in rank order
     output = stacked.new_empty((stacked.shape[0] // size, *stacked.shape[1:]))
-    _reduce_scatter_single(output, stacked, group=group)
+    collectives.reduce_scatter_single(output, stacked, group=group)
     return output
 
 

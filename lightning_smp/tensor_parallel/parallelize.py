@@ -3,7 +3,8 @@
 Called once per setup by the strategy, after ``configure_model`` built the whole model (the same on every rank, or
 on the meta device for delayed initialisation: then the shards are meta tensors that remember their whole, and
 the strategy materialises them later) and before precision conversion, DDP and the optimizers, which then see
-only this rank's shards. It makes the
+only this rank's shards; under a topology of `ShapeOnlyGroup`s (the memory planner's) it splits without
+communicating. It makes the
 ranks of each tensor-parallel group agree first (parameters, buffers and the default generator of tp-rank 0,
 so that an unseeded run still trains one consistent model), converts and slices each unit, and marks replicated
 parameters on tp ranks > 0 as norm duplicates so the global gradient norm counts each value once.
@@ -23,6 +24,7 @@ from lightning_smp._compat import flatten_dense_tensors, unflatten_dense_tensors
 from lightning_smp.placement import mark_norm_duplicate
 from lightning_smp.reduction import buckets
 from lightning_smp.tensor_parallel.base import TensorParallel, TensorParallelModule
+from lightning_smp.tensor_parallel.comm import ShapeOnlyGroup
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG, sync_default_generator, tensor_parallel_seed
 from lightning_smp.tensor_parallel.shard import shard_of
@@ -57,16 +59,18 @@ def parallelize(
         return model
     first_call = _DONE_ATTRIBUTE not in model.__dict__
     model.__dict__[_DONE_ATTRIBUTE] = True
+    group = topology.group("tp")
     if first_call or plan.units:
         _warn_about(plan, tp_size, sequence_parallel=config.sequence_parallel and first_call)
-        # even with nothing to split the tp ranks must hold one model: they train on the same batches
-        group, device = topology.group("tp"), _collective_device(topology)
-        _broadcast_unsharded_state(model, group, device)
-        sync_default_generator(group, device)
+        if not isinstance(group, ShapeOnlyGroup):  # the memory planner's rank 0 alone has nobody to agree with
+            # even with nothing to split the tp ranks must hold one model: they train on the same batches
+            device = _collective_device(topology)
+            _broadcast_unsharded_state(model, group, device)
+            sync_default_generator(group, device)
     seed = tensor_parallel_seed(
         config.tensor_parallel_seed, tp_rank=topology.rank("tp"), tp_size=tp_size, pp_rank=topology.rank("pp")
     )
-    tp = TensorParallel(group=topology.group("tp"), rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
+    tp = TensorParallel(group=group, rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
     apply_plan(plan, tp)
     _keep_transformer_encoders_off_nested_tensors(model)
     sharded = replicated = 0
@@ -77,6 +81,8 @@ def parallelize(
         replicated += param.numel()
         if tp.rank > 0:
             mark_norm_duplicate(param, axis="tp")  # tp-rank 0 counts the replicated values in the global norm
+    if isinstance(group, ShapeOnlyGroup):
+        return model  # the memory planner's rehearsal: not a layout this process runs
     log.info(
         "lightning_smp tensor parallelism: split %d module(s) over tp=%d (%d layer(s) sequence-parallel); this rank "
         "holds %d sharded + %d replicated parameters",
