@@ -17,7 +17,7 @@ from lightning_smp.memory import estimate_memory, fitting_layouts
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.strategy import SMPStrategy, register_strategies
-from lightning_smp.version import __version__
+from lightning_smp.version import __version__ as __version__
 from lightning_smp.weights import load_weights
 
 __all__ = [
@@ -27,7 +27,6 @@ __all__ = [
     "SMPPrecision",
     "SMPStrategy",
     "StaticLossScaler",
-    "__version__",
     "consolidate_checkpoint",
     "consolidated_state_dict",
     "estimate_memory",

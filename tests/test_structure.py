@@ -1,5 +1,6 @@
-"""The package's import structure: no import cycle between its modules, and no import of one of its modules inside a
-function unless that module needs an optional library (the import waits for the feature that uses it).
+"""The package's import structure: the layers docs/architecture.md lists, each module importing only from its own
+layer or an earlier one; no import cycle between its modules; and no import of one of its modules inside a function
+unless that module needs an optional library (the import waits for the feature that uses it).
 
 An import inside a function is how a cycle hides: the graph below counts imports at module level and inside
 functions alike (``if TYPE_CHECKING:`` blocks aside), so a cycle fails here whichever way it is written. Shared
@@ -10,6 +11,7 @@ module must not import registers itself (`delayed_init.huggingface`).
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ import pytest
 import lightning_smp
 
 PACKAGE = Path(lightning_smp.__file__).parent
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 OPTIONAL_LIBRARIES = {"transformers", "peft", "safetensors", "matplotlib", "jsonargparse"}
 """The extras' libraries (setup.cfg): a module importing one at module level is imported where it is used."""
 
@@ -145,8 +148,44 @@ def test_a_module_is_imported_inside_a_function_only_for_an_optional_library(mod
     assert hidden == [], "import these at module level (a cycle they hide fails the test above)"
 
 
+def _layers(page: str) -> list[tuple[str, list[str]]]:
+    """The page's layers in order: each ``## N. Name`` heading with the modules of its ``Modules:`` paragraph."""
+    layers = []
+    for section in re.split(r"^## ", page, flags=re.MULTILINE)[1:]:
+        heading, _, body = section.partition("\n")
+        listed = re.search(r"^Modules: (.*?)(?:\n\n|\Z)", body, flags=re.MULTILINE | re.DOTALL)
+        if listed:
+            names = re.findall(r"`([\w.]+)`", listed.group(1))
+            layers.append((heading, [name if name == "lightning_smp" else f"lightning_smp.{name}" for name in names]))
+    return layers
+
+
+LAYERS = _layers(ARCHITECTURE.read_text())
+
+
+def test_the_architecture_page_lists_every_module_once():
+    listed = [module for _, modules in LAYERS for module in modules]
+    assert len(LAYERS) == 6
+    assert sorted(set(MODULES) - set(listed)) == [], "add these modules to a layer of docs/architecture.md"
+    assert sorted(set(listed) - set(MODULES)) == [], "docs/architecture.md lists modules that do not exist"
+    assert len(listed) == len(set(listed)), "docs/architecture.md lists a module twice"
+
+
+def test_no_module_imports_from_a_later_layer():
+    layer_of = {module: index for index, (_, modules) in enumerate(LAYERS) for module in modules}
+    upward = [
+        f"{module} ({LAYERS[layer_of[module]][0]}) imports {target} ({LAYERS[layer_of[target]][0]}) at line {line}"
+        for module, found in IMPORTS.items()
+        for target, _, line in found.package
+        if module in layer_of and target in layer_of and layer_of[target] > layer_of[module]
+    ]
+    assert upward == [], "move the imported piece down a layer, or the importing module up (docs/architecture.md)"
+
+
 def test_the_cycle_check_finds_a_cycle_and_the_import_scan_sees_inside_functions(tmp_path):
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     visitor = _Imports("lightning_smp.progress")
     visitor.visit(ast.parse("def f():\n    from lightning_smp.memory import format_bytes\nimport matplotlib\n"))
     assert visitor.package == [("lightning_smp.memory", True, 2)] and visitor.libraries == {"matplotlib"}
+    page = "## 1. A\n\ntext\n\nModules: `a`, `b.c`\n\n## 2. B\n\nModules: `lightning_smp`\n"
+    assert _layers(page) == [("1. A", ["lightning_smp.a", "lightning_smp.b.c"]), ("2. B", ["lightning_smp"])]
