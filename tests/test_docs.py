@@ -341,6 +341,8 @@ _GROUP_OF_PATH = {
     "reduction.py": "Launching and failures",  # the plan of who reduces gradients; raises nothing of its own
     "overlap.py": "Launching and failures",  # reductions started during backward
     "fault_tolerance.py": "Launching and failures",
+    "preemption.py": "Launching and failures",
+    "data_position.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
     "activation_checkpointing.py": "Model creation and memory",
     "activation_offloading.py": "Model creation and memory",

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.fault_tolerance import MAX_STEPS_BETWEEN_VOTES, close_process_groups, end_launched_ranks
+from lightning_smp.preemption import PREEMPTED_EXIT_CODE
 from tests.distributed import run_distributed, run_process
 from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
@@ -89,17 +90,19 @@ def test_killing_one_rank_ends_every_rank_within_the_timeout_with_the_cause(tmp_
 
 
 @pytest.mark.timeout(360)
-def test_sigterm_on_every_rank_during_a_save_finishes_the_save_and_exits_cleanly(tmp_path):
+def test_sigterm_on_every_rank_during_a_save_finishes_the_save_then_saves_the_agreed_step_and_exits_preempted(tmp_path):
     result, _ = _launch("sigterm", tmp_path)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
     # the signal came while step 4's checkpoint was written; every rank stopped after the same later step, at most
     # two vote intervals of MAX_STEPS_BETWEEN_VOTES steps later, instead of training on to max_steps=40
     stopped = {int(step) for step in re.findall(r"rank \d stopped at step (\d+)", output)}
     assert len(re.findall(r"rank \d stopped at step", output)) == 2 and len(stopped) == 1, output[-3000:]
     (last,) = stopped
     assert 5 <= last <= 4 + 2 * MAX_STEPS_BETWEEN_VOTES, output[-3000:]
-    names = [p.name for p in tmp_path.iterdir()]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != "killed_at")
+    assert f"preempted-step={last}.ckpt" in names, names  # the agreed step, saved in ModelCheckpoint's directory
+    names.remove(f"preempted-step={last}.ckpt")
     assert all(re.fullmatch(r"epoch=\d+-step=\d+\.ckpt", name) for name in names), names  # nothing half-written
     assert sorted(int(name.split("step=")[1][:-5]) for name in names) == list(range(1, last + 1))
     consolidated = torch.load(consolidate_checkpoint(tmp_path / "epoch=0-step=4.ckpt", tmp_path.parent / "c.pt"))
