@@ -25,6 +25,7 @@ from lightning_smp import checkpoint as checkpointing
 __all__ = [
     "PREEMPTED_EXIT_CODE",
     "PREEMPTED_PREFIX",
+    "check_torchelastic_restarts",
     "checkpoint_directory",
     "newest_complete_checkpoint",
     "requeue_slurm_job",
@@ -85,6 +86,20 @@ def requeue_slurm_job(environment: object) -> bool:
         return False
     log.info("lightning_smp: requeued SLURM job %s", job)
     return True
+
+
+def check_torchelastic_restarts() -> None:
+    """Warn, at setup, when torchrun may restart this job (``--max-restarts`` above 0) while its workers share the
+    rendezvous store: torch 2.13's restarted attempt then fails in the process-group setup after a long wait
+    ("Gloo connectFullMesh failed ... Connect timeout", pytorch#135712; measured in tests/test_fault_tolerance.py)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rank_zero_warn(
+            f"lightning_smp: torchrun may restart this job (--max-restarts {restarts}), but its workers share the "
+            "rendezvous store, and a restarted attempt cannot set up its process group then (pytorch#135712). Set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment: "
+            "`TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts ... train.py`."
+        )
 
 
 def search_directories(trainer: pl.Trainer) -> list[Path]:

@@ -240,6 +240,7 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        preemption.check_torchelastic_restarts()
         super().setup_environment()
         config = self._config
         self._topology = topology_builder.build(

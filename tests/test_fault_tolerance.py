@@ -36,7 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class _Fault(Callback):
     """At the fourth batch: rank 1 is killed (``kill``), or every rank gets SIGTERM in the middle of writing that
-    step's checkpoint (``sigterm``, ``epoch=0-step=4.ckpt``), as a scheduler sends it to every process of a job."""
+    step's checkpoint (``sigterm``, ``epoch=0-step=4.ckpt``), as a scheduler sends it to every process of a job, or,
+    in torchrun's first attempt, rank 1 is killed in the middle of writing its part of that checkpoint
+    (``torchrun``)."""
 
     def __init__(self, mode: str, directory: Path) -> None:
         self.mode, self.directory = mode, directory
@@ -54,6 +56,14 @@ class _Fault(Callback):
                 return original(writer, plan, planner)
 
             FileSystemWriter.write_data = write_data
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if self.mode == "torchrun" and trainer.global_step == 3 and trainer.global_rank == 1 and first_attempt:
+
+            def write_half_then_die(writer, plan, planner):
+                (Path(writer.path) / "__1_0.distcp").write_bytes(b"half a shard")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            FileSystemWriter.write_data = write_half_then_die
 
 
 def _job(mode: str, directory: Path) -> None:
@@ -61,15 +71,17 @@ def _job(mode: str, directory: Path) -> None:
     trainer = quiet_trainer(
         SMPStrategy(fp16=True, timeout=timedelta(seconds=TIMEOUT_S)),
         devices=2,
-        max_steps=40,
+        max_steps=6 if mode == "torchrun" else 40,
         limit_val_batches=0,
         enable_checkpointing=True,
         callbacks=[_Fault(mode, directory), ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)],
     )
+    model = TinyRegressor(num_samples=400)
     try:
-        trainer.fit(TinyRegressor(num_samples=400))
+        trainer.fit(model, ckpt_path="last" if mode == "torchrun" else None)
     finally:
         print(f"rank {trainer.global_rank} stopped at step {trainer.global_step}", flush=True)
+        print(f"rank {trainer.global_rank} resumed from {trainer.ckpt_path}: losses {model.losses}", flush=True)
 
 
 def _launch(mode: str, directory: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -107,6 +119,27 @@ def test_sigterm_on_every_rank_during_a_save_finishes_the_save_then_saves_the_ag
     assert sorted(int(name.split("step=")[1][:-5]) for name in names) == list(range(1, last + 1))
     consolidated = torch.load(consolidate_checkpoint(tmp_path / "epoch=0-step=4.ckpt", tmp_path.parent / "c.pt"))
     assert consolidated["global_step"] == 4  # the checkpoint the signal interrupted is whole
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_restarts_after_a_rank_is_killed_mid_save_and_resumes_from_the_last_whole_checkpoint(tmp_path):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # pytorch#135712, as docs/preemption.md tells users
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["--max-restarts", "1", "-m", "tests.test_fault_tolerance", "torchrun", str(tmp_path)]
+    result = run_process(command, cwd=ROOT, env=env, timeout=360)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    # the first attempt: rank 1 died writing step 4's checkpoint, which was never published; the restarted
+    # attempt's "last" is step 3's, whole, and the run finishes
+    resumed = re.findall(r"rank (\d) resumed from (\S+): losses \[(.*)\]", output)
+    assert sorted(rank for rank, _, _ in resumed) == ["0", "0", "1"], output[-4000:]  # rank 1's first attempt died
+    restarted = [(path, losses) for _, path, losses in resumed if path != "None"]
+    assert [Path(path).name for path, _ in restarted] == ["epoch=0-step=3.ckpt"] * 2, restarted
+    assert all(len(losses.split(",")) == 3 for _, losses in restarted)  # steps 4 to 6
+    assert set(re.findall(r"rank \d stopped at step (\d+)", output)) >= {"6"}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [int(name.split("step=")[1][:-5]) for name in names] == [1, 2, 3, 4, 5, 6], names  # none half-written
 
 
 class _Launcher:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, Tens
 from lightning_smp import SMPStrategy, smp
 from lightning_smp.data_position import SkipFirst, position_train_dataloader
 from lightning_smp.fault_tolerance import VOTE_INTERVAL_S
-from lightning_smp.preemption import PREEMPTED_EXIT_CODE, newest_complete_checkpoint
+from lightning_smp.preemption import PREEMPTED_EXIT_CODE, check_torchelastic_restarts, newest_complete_checkpoint
 from tests.distributed import launch_once
 from tests.gpt import AdamWGPT, token_batches
 from tests.models import quiet_trainer
@@ -369,6 +369,18 @@ def test_a_loader_that_cannot_be_positioned_warns_what_repeats():
         assert position_train_dataloader(loader, 3, epoch=0) is loader
     assert isinstance(loader.batch_sampler.sampler, RandomSampler)
     position_train_dataloader(loader, 0, epoch=0)  # at an epoch's start: nothing to say
+
+
+def test_torchrun_restarts_with_a_shared_rendezvous_store_get_a_warning_naming_the_fix(monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.warns(UserWarning, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_torchelastic_restarts()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # what the variable makes torchrun set
+    check_torchelastic_restarts()
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # the default: nothing restarts
+    check_torchelastic_restarts()
 
 
 def test_last_is_the_newest_complete_checkpoint_and_none_on_a_first_run(tmp_path):
