@@ -52,11 +52,13 @@ def checkpoint_directory(trainer: pl.Trainer) -> Path:
 
 
 def save_preempted(trainer: pl.Trainer) -> Path:
-    """Save the trainer's state as ``preempted-step=N.ckpt`` (collective: every rank calls it, at the same step),
-    then, on rank 0, delete older preemption saves of that directory. Returns the path."""
+    """Save the trainer's state as ``preempted-step=N.ckpt`` (collective: every rank calls it, at the same step;
+    after an asynchronous save in flight, and whole when it returns), then, on rank 0, delete older preemption
+    saves of that directory. Returns the path."""
     directory = checkpoint_directory(trainer)
     path = directory / f"{PREEMPTED_PREFIX}{trainer.global_step}.ckpt"
     trainer.save_checkpoint(path)
+    checkpointing.wait_for_saves()  # whole before anything older goes, and before the exit
     if trainer.is_global_zero:
         for old in directory.glob(f"{PREEMPTED_PREFIX}*.ckpt"):
             if old != path:

@@ -146,6 +146,7 @@ class SMPStrategy(DDPStrategy):
         virtual_stages: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
         sequence_parallel: bool = False,
+        async_checkpoint: bool = False,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -550,10 +551,18 @@ class SMPStrategy(DDPStrategy):
             )
         path = self.broadcast(filepath)  # every rank writes its part into rank 0's path
         owned = self._pipeline.owned_parameter_names() if self._pipeline is not None else None
-        checkpointing.save(checkpoint, path, module=self.lightning_module, run=self._checkpoint_run(), owned=owned)
+        checkpointing.save(
+            checkpoint,
+            path,
+            module=self.lightning_module,
+            run=self._checkpoint_run(),
+            owned=owned,
+            asynchronous=self._config.async_checkpoint,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: str | PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpointing.wait_for_saves()
         module = self.lightning_module
         return checkpointing.load(
             self.broadcast(checkpoint_path),
@@ -640,6 +649,8 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if not self.failed:
+            checkpointing.wait_for_saves()  # an asynchronous save in flight is published before the run ends
         smp_facade.end_run()
         module = self.lightning_module if self.lightning_module is not None else torch.nn.Module()
         with placements_kept(module), _meta_left_in_place(module):
@@ -655,6 +666,7 @@ class SMPStrategy(DDPStrategy):
             if isinstance(module, Metric):
                 module.process_group = None
         self._sigterm.forget_vote()
+        checkpointing.forget_save_group()
         self._pipeline = None
         self._topology = None
 

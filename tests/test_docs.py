@@ -45,6 +45,7 @@ _OWN_EQUIVALENTS = {
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
     "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
+    "async_checkpoint": "none: smp v1 saved synchronously (smp v2 2.5.0 has asynchronous checkpoints)",
 }
 
 

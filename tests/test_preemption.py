@@ -21,14 +21,14 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, TensorDataset
 
-from lightning_smp import SMPStrategy, smp
+from lightning_smp import SMPStrategy, consolidate_checkpoint, smp
 from lightning_smp.data_position import SkipFirst, position_train_dataloader
 from lightning_smp.fault_tolerance import VOTE_INTERVAL_S
 from lightning_smp.preemption import PREEMPTED_EXIT_CODE, check_torchelastic_restarts, newest_complete_checkpoint
 from tests.distributed import launch_once
 from tests.gpt import AdamWGPT, token_batches
 from tests.models import quiet_trainer
-from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, single_device_run
+from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, assert_tensors_close, single_device_run
 
 STEPS = 14  # every layout's whole run
 STEP_S = VOTE_INTERVAL_S + 0.05  # each training step sleeps this long: the ranks vote every step
@@ -64,6 +64,13 @@ LAYOUTS_2 = {
             (9, "save", (0,)),
             (11, "batch", (1,)),
         ],
+    ),
+    # saves written by a background thread; a signal while one is written; the preemption save waits for it
+    "dp2_zero1_async": (
+        {"shard_optimizer_state": True, "async_checkpoint": True},
+        8,
+        2,
+        [(3, "save", (1,)), (5, "batch", (0,))],
     ),
     # last: its requeue sets SLURM's variables in the ranks (torchelastic's, which Lightning prefers, stay)
     "dp2_zero1": (
@@ -150,7 +157,7 @@ class _Signals(Callback):
         def write_data(writer, plan, planner):
             FileSystemWriter.write_data = original
             if signals.rank in signals.event[2]:
-                signals.sent_at = trainer.global_step
+                signals.sent_at = signals.event[0]  # the saving step (an asynchronous save writes later)
                 os.kill(os.getpid(), signal.SIGTERM)  # held until the save is whole
             return original(writer, plan, planner)
 
@@ -188,6 +195,7 @@ def _fit(rank, layout, root, event):
     scontrol = Path(root) / f"scontrol-{rank}.txt"  # what the fake scontrol was asked
     record.update(
         sent_at=signals.sent_at,
+        directory=str(root),
         dp=signals.dp,
         stopped_at=trainer.global_step,
         losses=signals.losses,
@@ -327,6 +335,17 @@ def test_four_rank_fp16_layout_stops_together_saves_and_resumes_with_the_same_sk
 @pytest.mark.timeout(360)
 def test_one_device_stops_after_the_batch_saves_and_resumes_with_the_uninterrupted_losses(one_rank):
     _check_layout(one_rank, "one_device", LAYOUTS_1["one_device"])
+
+
+@pytest.mark.timeout(660)
+def test_an_asynchronous_save_is_the_synchronous_one(two_ranks, tmp_path):
+    directory = Path(two_ranks[0]["dp2_zero1"][0]["directory"]).parent
+    saved = {}
+    for name in ("dp2_zero1", "dp2_zero1_async"):
+        path = consolidate_checkpoint(directory / name / "epoch=5-step=12.ckpt", tmp_path / f"{name}.pt")
+        saved[name] = torch.load(path, weights_only=False)
+        assert saved[name]["global_step"] == 12
+    assert_tensors_close(saved["dp2_zero1_async"]["state_dict"], saved["dp2_zero1"]["state_dict"], rtol=0, atol=0)
 
 
 @pytest.mark.timeout(660)
