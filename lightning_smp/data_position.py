@@ -16,10 +16,11 @@ import itertools
 from collections.abc import Iterator
 from typing import Any
 
+import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, Sampler, SequentialSampler
 
-__all__ = ["SkipFirst", "position_train_dataloader"]
+__all__ = ["SkipFirst", "position_resumed", "position_train_dataloader"]
 
 
 class SkipFirst(Sampler):
@@ -39,6 +40,16 @@ class SkipFirst(Sampler):
     def set_epoch(self, epoch: int) -> None:
         if callable(getattr(self.sampler, "set_epoch", None)):
             self.sampler.set_epoch(epoch)
+
+
+def position_resumed(trainer: pl.Trainer, dataloader: object) -> object:
+    """The training ``dataloader`` of a fit resumed from a checkpoint (restored before the loader is set up),
+    positioned at the batch its epoch had reached (`position_train_dataloader`); any other, as it is."""
+    consumed = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+    length = len(dataloader) if hasattr(dataloader, "__len__") else None
+    if trainer.ckpt_path is None or (length is not None and consumed >= length):
+        return dataloader  # a fresh fit, or a checkpoint saved at an epoch's end
+    return position_train_dataloader(dataloader, consumed, epoch=trainer.current_epoch)
 
 
 def position_train_dataloader(dataloader: object, consumed: int, *, epoch: int) -> object:

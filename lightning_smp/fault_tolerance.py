@@ -124,11 +124,15 @@ class SchedulerSignal:
 
     def _agree(self) -> None:
         """At the start of every training step on every rank (in place of Lightning's broadcast); collective at
-        the voting steps, which every rank counts alike."""
+        the voting steps, which every rank counts alike. With gradient accumulation it runs at every batch; an
+        agreed stop waits for the batch that starts an optimizer step (the accumulated gradients are not saved)."""
+        trainer = self._trainer
+        if self.stopped:  # agreed on at a batch inside an accumulation
+            self._stop_at_an_optimizer_step(trainer)
+            return
         self._steps_to_vote -= 1
         if self._steps_to_vote > 0:
             return
-        trainer = self._trainer
         now = time.monotonic()
         seconds_per_step = 0.0
         if self._vote is not None:
@@ -141,8 +145,8 @@ class SchedulerSignal:
             if result >= STOP_VOTE:
                 self._vote = None
                 self.stopped, self.requeue = True, result == REQUEUE_VOTE
-                mark_sigterm_received(trainer)
-                raise SIGTERMException  # as Lightning's broadcast does, before the step
+                self._stop_at_an_optimizer_step(trainer)
+                return
             seconds_per_step = (now - self._voted_at) / self._steps_between_votes
             steps = int(VOTE_INTERVAL_S / result) if result > 0 else 1
             self._steps_between_votes = min(max(steps, 1), MAX_STEPS_BETWEEN_VOTES)
@@ -155,6 +159,13 @@ class SchedulerSignal:
         self._vote = (work, votes)
         self._voted_at = now
         self._steps_to_vote = self._steps_between_votes
+
+    @staticmethod
+    def _stop_at_an_optimizer_step(trainer: pl.Trainer) -> None:
+        completed = trainer.fit_loop.epoch_loop.batch_progress.current.completed  # this epoch's, alike on every rank
+        if completed % trainer.accumulate_grad_batches == 0:
+            mark_sigterm_received(trainer)
+            raise SIGTERMException  # as Lightning's broadcast does, before the step
 
 
 # What gloo and NCCL say when a peer has died or stopped answering.

@@ -28,6 +28,7 @@ __all__ = [
     "check_torchelastic_restarts",
     "checkpoint_directory",
     "newest_complete_checkpoint",
+    "preempted",
     "requeue_slurm_job",
     "save_preempted",
     "search_directories",
@@ -49,6 +50,16 @@ def checkpoint_directory(trainer: pl.Trainer) -> Path:
         if isinstance(callback, ModelCheckpoint) and callback.dirpath:
             return Path(callback.dirpath)
     return Path(trainer.default_root_dir) / "checkpoints"
+
+
+def preempted(trainer: pl.Trainer, stop: SystemExit, *, requeue: bool) -> None:
+    """Once every rank stopped at the agreed step (the ``stop`` exception is on its way out of ``fit``): the normal
+    save, outside any signal handler; ``scontrol requeue`` from rank 0 when ``requeue`` (the requeue signal came);
+    the exit code `PREEMPTED_EXIT_CODE`."""
+    save_preempted(trainer)
+    if trainer.is_global_zero and requeue:
+        requeue_slurm_job(trainer.strategy.cluster_environment)
+    stop.code = PREEMPTED_EXIT_CODE
 
 
 def save_preempted(trainer: pl.Trainer) -> Path:

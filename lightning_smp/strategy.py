@@ -437,11 +437,8 @@ class SMPStrategy(DDPStrategy):
         trainer = self.lightning_module.trainer
         if trainer.state.stage != RunningStage.TRAINING or self._data_positioned:
             return dataloader
-        self._data_positioned = True  # once per fit: the first training loader after a restore
-        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.completed
-        if trainer.ckpt_path is None or consumed >= (len(dataloader) if hasattr(dataloader, "__len__") else 1 << 62):
-            return dataloader
-        return data_position.position_train_dataloader(dataloader, consumed, epoch=trainer.current_epoch)
+        self._data_positioned = True  # once per fit: the first training loader, after the restore
+        return data_position.position_resumed(trainer, dataloader)
 
     @override
     def on_train_end(self) -> None:
@@ -625,11 +622,8 @@ class SMPStrategy(DDPStrategy):
         self.failed = True
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if isinstance(exception, SIGTERMException) and self._sigterm.stopped and trainer.state.fn == TrainerFn.FITTING:
-            # every rank is here, at the step the ranks agreed on: the normal save, outside any signal handler
-            preemption.save_preempted(trainer)
-            if self.is_global_zero and self._sigterm.requeue:
-                preemption.requeue_slurm_job(self.cluster_environment)
-            exception.code = preemption.PREEMPTED_EXIT_CODE
+            # every rank is here, at the step the ranks agreed on: save, requeue, exit code 75
+            preemption.preempted(trainer, exception, requeue=self._sigterm.requeue)
         notes = []
         if "Expected to have finished reduction in the prior iteration" in str(exception):
             notes.append(

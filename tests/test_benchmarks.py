@@ -165,3 +165,14 @@ def test_split_backward_cost_reports_both_passes_against_the_whole_backward(tmp_
     assert [row["width"] for row in rows] == [8, 16]
     for row in rows:
         assert all(_positive(row[key]) for key in ("whole_ms", "input_pass_ms", "weight_pass_ms", "split_over_whole"))
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_stall_times_saving_and_normal_steps_of_both_kinds(tmp_path: Path) -> None:
+    out = tmp_path / "stall.json"
+    run_benchmark("checkpoint_stall.py", "--size", "smoke", "--steps", "5", "--warmup", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [row["kind"] for row in result["rows"]] == ["sync", "async"]
+    for row in result["rows"]:
+        assert all(_positive(row[key]) for key in ("normal", "saving"))
+    assert "stall_ratio" in result and result["settings"]["size"] == "smoke"

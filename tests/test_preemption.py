@@ -54,7 +54,13 @@ LAYOUTS_2 = {
         ],
     ),
     "sdp2": (
-        {"sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0, "sdp_gradient_clipping": 1e9},
+        # asynchronous saves of FSDP2's DTensor shards
+        {
+            "sharded_data_parallel_degree": 2,
+            "sdp_param_persistence_threshold": 0,
+            "sdp_gradient_clipping": 1e9,
+            "async_checkpoint": True,
+        },
         8,
         2,
         [
@@ -65,6 +71,9 @@ LAYOUTS_2 = {
             (11, "batch", (1,)),
         ],
     ),
+    # two batches of 8 per optimizer step (the reference's 16): a stop agreed on inside an accumulation (after the
+    # step-3 save) waits for the next step's first batch
+    "dp2_accumulate": ({}, 8, 2, [(1, "batch", (0,)), (3, "save", (0, 1)), (6, "schedule", (1,))], {"accumulate": 2}),
     # saves written by a background thread; a signal while one is written; the preemption save waits for it
     "dp2_zero1_async": (
         {"shard_optimizer_state": True, "async_checkpoint": True},
@@ -164,14 +173,18 @@ class _Signals(Callback):
         FileSystemWriter.write_data = write_data
 
     def on_train_start(self, trainer, pl_module):
-        self.dp = smp.dp_rank()
+        self.dp, self.step, self.batch_losses = smp.dp_rank(), trainer.global_step, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses[trainer.global_step] = outputs["loss"].item()  # this replica's
+        self.batch_losses.append(outputs["loss"].item())  # this replica's
+        if trainer.global_step != self.step:  # an optimizer step: Lightning divided each batch's by their number
+            self.losses[trainer.global_step] = sum(self.batch_losses)
+            self.step, self.batch_losses = trainer.global_step, []
 
 
 def _fit(rank, layout, root, event):
-    settings, batch, _, _ = layout
+    settings, batch, _, _, *options = layout
+    accumulate = options[0]["accumulate"] if options else 1
     torch.manual_seed(0)
     signals = _Signals(rank, event)
     trainer = quiet_trainer(
@@ -184,6 +197,7 @@ def _fit(rank, layout, root, event):
         enable_checkpointing=True,
         callbacks=[signals, ModelCheckpoint(dirpath=root, every_n_train_steps=SAVE_EVERY, save_top_k=-1)],
         default_root_dir=root,
+        accumulate_grad_batches=accumulate,
     )
     model = _GPT(batch, signals)
     record = {"code": None}
@@ -281,7 +295,8 @@ def _reference(batch: int, replicas: int, fp16: bool) -> dict:
 
 
 def _check_layout(ranks: list[dict], name: str, layout: tuple) -> None:
-    settings, batch, replicas, events = layout
+    settings, batch, replicas, events, *options = layout
+    batch *= options[0]["accumulate"] if options else 1  # the reference steps on the accumulated batches
     for rank, records in enumerate(ranks):
         fits = records[name]
         assert len(fits) == len(events) + 1, rank
