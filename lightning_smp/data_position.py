@@ -45,7 +45,9 @@ class SkipFirst(Sampler):
 def position_resumed(trainer: pl.Trainer, dataloader: object) -> object:
     """The training ``dataloader`` of a fit resumed from a checkpoint (restored before the loader is set up),
     positioned at the batch its epoch had reached (`position_train_dataloader`); any other, as it is."""
-    consumed = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+    # the batches the checkpoint's step had trained on: ``processed`` (``completed`` lags by one in a checkpoint
+    # saved at a batch's end, as ModelCheckpoint saves, until Lightning's loop catches it up after this hook)
+    consumed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
     length = len(dataloader) if hasattr(dataloader, "__len__") else None
     if trainer.ckpt_path is None or (length is not None and consumed >= length):
         return dataloader  # a fresh fit, or a checkpoint saved at an epoch's end

@@ -27,6 +27,7 @@ from lightning_smp.preemption import PREEMPTED_EXIT_CODE
 from tests.distributed import run_distributed, run_process
 from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
+from tests.parity import FP16_REL, single_device_run
 
 # The job's process-group timeout. It also bounds the wait for the second rank to join, which Lightning's launcher
 # starts as a fresh interpreter (~12 s of imports on an idle core, twice that on a loaded one).
@@ -76,6 +77,7 @@ def _job(mode: str, directory: Path) -> None:
         enable_checkpointing=True,
         callbacks=[_Fault(mode, directory), ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)],
     )
+    torch.manual_seed(0)  # the reference's weights
     model = TinyRegressor(num_samples=400)
     try:
         trainer.fit(model, ckpt_path="last" if mode == "torchrun" else None)
@@ -137,6 +139,19 @@ def test_torchrun_restarts_after_a_rank_is_killed_mid_save_and_resumes_from_the_
     restarted = [(path, losses) for _, path, losses in resumed if path != "None"]
     assert [Path(path).name for path, _ in restarted] == ["epoch=0-step=3.ckpt"] * 2, restarted
     assert all(len(losses.split(",")) == 3 for _, losses in restarted)  # steps 4 to 6
+    # ... with the losses of an uninterrupted run: the plain-torch fp16 reference on both replicas' batches
+    reference = single_device_run(
+        lambda: TinyRegressor(num_samples=400),
+        lambda model, batch, step: model.training_step(batch, step),
+        steps=6,
+        replicas=2,
+        fp16=True,
+        init_scale=2.0**32,  # SMPStrategy(fp16=True)'s
+    )
+    per_rank = [[float(value) for value in losses.split(",")] for _, losses in restarted]
+    assert [sum(pair) / 2 for pair in zip(*per_rank, strict=True)] == pytest.approx(
+        reference["losses"][3:], rel=FP16_REL
+    )
     assert set(re.findall(r"rank \d stopped at step (\d+)", output)) >= {"6"}
     names = sorted(p.name for p in tmp_path.iterdir())
     assert [int(name.split("step=")[1][:-5]) for name in names] == [1, 2, 3, 4, 5, 6], names  # none half-written
