@@ -1,13 +1,9 @@
-"""The data position on resume: a fit resumed mid-epoch continues the epoch at the batch the checkpoint left it at.
+"""The data position on resume: a fit resumed mid-epoch continues the epoch at the batch its checkpoint reached.
 
-Lightning restores a resumable loader itself (one with ``state_dict``/``load_state_dict``, such as torchdata's
-``StatefulDataLoader``: its state is in the checkpoint's loop state), but restarts an ordinary ``DataLoader`` at
-the epoch's first batch while counting from the saved batch index: the epoch's first batches are trained on twice
-and its last ones never. Owns positioning such a loader: for a map-style ``DataLoader`` whose sampler is
-deterministic (Lightning's ``DistributedSampler``, which every SMPStrategy fit gets unless
-``use_distributed_sampler=False``, or a ``SequentialSampler``) the sampler skips the indices of the batches already
-consumed, as the Hugging Face Trainer does, so no skipped batch is loaded; any other loader gets a warning that
-says which batches repeat.
+Lightning restores a loader with ``state_dict``/``load_state_dict`` (torchdata's ``StatefulDataLoader``) itself, but
+restarts an ordinary ``DataLoader`` at the epoch's first batch. Owns positioning that one: a map-style loader with a
+deterministic sampler (Lightning's ``DistributedSampler``, or a ``SequentialSampler``) skips the consumed indices,
+as the Hugging Face Trainer does, loading none of them; any other gets a warning saying which batches repeat.
 """
 
 from __future__ import annotations

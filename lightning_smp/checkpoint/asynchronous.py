@@ -1,12 +1,9 @@
-"""Asynchronous saves (``async_checkpoint=True``): the saving step copies this rank's part of the checkpoint to host
-memory and training goes on while a background thread writes it.
+"""Asynchronous saves (``async_checkpoint=True``): a saving step copies its part of the checkpoint; a thread writes it.
 
-Owns the snapshot (every tensor of what the rank writes copied before the step returns: to host memory, a
-tensor-parallel or sharded chunk as its own copy, a DTensor's local piece on its device), the one writer thread
-per process with its own gloo process group (its collectives never meet the training's), and waiting: the next
-save, a preemption save, a load and the end of a run wait for the save in flight and raise its error there. Not
-owned: what a save writes and in what order (`saving.py`), which this module runs on the thread. torch DCP's
-``async_save`` stages only the tensors DCP knows; our chunked entries need the copy done here.
+Owns the snapshot (tensors and chunks copied to host memory, a DTensor's local piece on its device), the writer
+thread with its own gloo group (its collectives never meet training's), and waiting: the next save, a preemption
+save, a load and the run's end wait for the save in flight and raise its error. Not owned: what a save writes
+(`saving.py`). torch DCP's ``async_save`` stages only tensors DCP knows; our chunked entries need this copy.
 """
 
 from __future__ import annotations
