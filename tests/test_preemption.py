@@ -370,6 +370,7 @@ def test_slurm_requeue_signal_saves_then_rank_0_requeues_the_job(two_ranks):
     assert [f[index]["code"] for f in fits] == [PREEMPTED_EXIT_CODE] * 2
     assert [f[index]["requeued"] for f in fits] == [f"requeue {SLURM_JOB_ID}\n", None]  # once, by rank 0
     assert all(f[index - 1]["requeued"] is None for f in fits)  # SIGTERM: no requeue
+    assert not any(file.startswith("hpc_ckpt") for f in fits for file in f[index]["files"])  # Lightning's did not run
 
 
 def test_signal_times_cover_every_place_and_layout():
