@@ -238,7 +238,7 @@ _FIXES = {
     "copying … failed (": "The memory planner copies the model before laying it out; make the model deep-copyable "
     "(no open files or locks as attributes), or estimate the model states alone.",
     "There is no checkpoint at": "Check the path given to `ckpt_path=` (a checkpoint is a directory holding "
-    "`meta.pt`); with `ckpt_path='last'`, make sure a `ModelCheckpoint(save_last=True)` ran before.",
+    "`meta.pt`), or pass `ckpt_path='last'`: the newest complete checkpoint, none on a first run (docs/preemption.md).",
     "the checkpoint is damaged": "The files of this checkpoint were changed or cut short after it was written (a "
     "full disk, a copy that stopped): resume from an earlier checkpoint.",
     "Cannot load the checkpoint": "The lines below the first say what does not match (a parameter missing or "
