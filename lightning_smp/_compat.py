@@ -28,6 +28,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.autograd.graph import GradientEdge, _engine_run_backward
@@ -80,6 +81,7 @@ __all__ = [
     "parameter_table",
     "replace_scheduler_methods",
     "replaced_log",
+    "route_last_checkpoint",
     "scheduler_state_without",
     "set_metric_step_value",
     "set_metric_update_count",
@@ -278,11 +280,34 @@ def install_sigterm_hooks(
     trainer: pl.Trainer, *, on_signal: Callable[[int, Any], None], before_step: Callable[[], None]
 ) -> None:
     """Replace Lightning's SIGTERM handling for ``trainer``: ``on_signal`` instead of the handler that notes the
-    signal and broadcasts inside it (``_SignalConnector._sigterm_notifier_fn``, registered after setup), and
+    signal and broadcasts inside it (``_SignalConnector._sigterm_notifier_fn``, registered after setup) and of the
+    SLURM requeue signal's handler, which saves a checkpoint inside the handler and requeues
+    (``_SignalConnector._slurm_sigusr_handler_fn``, registered under ``SLURMEnvironment(auto_requeue=True)``), and
     ``before_step`` instead of the blocking per-step broadcast of rank 0's flag
     (``_TrainingEpochLoop._broadcast_sigterm_tensor``)."""
     trainer._signal_connector._sigterm_notifier_fn = on_signal
+    trainer._signal_connector._slurm_sigusr_handler_fn = on_signal
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = before_step
+
+
+def route_last_checkpoint(resolve: Callable[[pl.Trainer], Any]) -> None:
+    """Have ``ckpt_path="last"`` name what ``resolve(trainer)`` returns (a path, or None: start fresh), unless it
+    returns ``NotImplemented`` (then Lightning's own choice: only ``last*.ckpt`` files of ``ModelCheckpoint``s).
+    Lightning resolves the name in ``_CheckpointConnector._parse_ckpt_path`` before any strategy hook runs, so the
+    method is wrapped on the class, once; ``resolve`` decides by the trainer's strategy."""
+    original = _CheckpointConnector._parse_ckpt_path
+    if getattr(original, "__wrapped_by_lightning_smp__", False):
+        return
+
+    def parse_ckpt_path(self: Any, state_fn: Any, ckpt_path: Any, model_provided: bool, model_connected: bool) -> Any:
+        if ckpt_path == "last":
+            found = resolve(self.trainer)
+            if found is not NotImplemented:
+                return found
+        return original(self, state_fn, ckpt_path, model_provided, model_connected)
+
+    parse_ckpt_path.__wrapped_by_lightning_smp__ = True  # type: ignore[attr-defined]
+    _CheckpointConnector._parse_ckpt_path = parse_ckpt_path
 
 
 def mark_sigterm_received(trainer: pl.Trainer) -> None:

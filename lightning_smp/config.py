@@ -38,6 +38,7 @@ _OWN_FIELDS = frozenset(
         "virtual_stages",
         "tensor_parallel_plan",
         "sequence_parallel",
+        "async_checkpoint",
     }
 )
 TENSOR_PARALLEL_STYLES = (
@@ -290,6 +291,11 @@ class SMPConfig:
     must then be multiples of tensor_parallel_degree. Off by default, also with tp > 1: measured, the layers keep
     0.66 (tp2) to 0.42 (tp4) of their activation bytes for 2.9% more CPU per tp2 step, but turning it on would stop
     jobs whose sequence lengths do not divide by tp (docs/memory.md, "Sequence parallelism")."""
+    async_checkpoint: bool = False
+    """lightning_smp: a checkpoint save (``ModelCheckpoint``, ``trainer.save_checkpoint``) copies this rank's part to
+    host memory and returns; a background thread writes and publishes it while training goes on. The next save, a
+    preemption save, a load and the end of the run wait for it, and its error is raised there. Costs host memory
+    for one copy of the rank's part of the checkpoint. Off by default: a save is then whole when it returns."""
 
     def __post_init__(self) -> None:
         # With `from __future__ import annotations` field types are strings, hence "bool".

@@ -1,10 +1,11 @@
-"""Fault tolerance: a failure or a scheduler's SIGTERM on one rank ends every rank, promptly, with the cause shown;
+"""Fault tolerance: a failure or a scheduler's signal on one rank ends every rank, promptly, with the cause shown;
 a run that succeeded ends with exit code 0 on every rank.
 
-It owns the SIGTERM agreement (every rank stops after the same training step, voted without a blocking
-collective), the explanation added to an error when a peer rank was lost, in the process that launched the other
-ranks, ending them and saying how each one ended, and closing the process groups at interpreter exit. It does not
-own checkpoint atomicity (`checkpoint/`) nor the timeout value (the strategy's `timeout`).
+It owns the agreement on a scheduler's signal (SIGTERM, SLURM's requeue signal: every rank stops after the same
+training step, voted without a blocking collective), the explanation added to an error when a peer rank was lost,
+in the process that launched the other ranks, ending them and saying how each one ended, and closing the process
+groups at interpreter exit. It does not own what a stop saves (`preemption`), checkpoint atomicity
+(`checkpoint/`) nor the timeout value (the strategy's `timeout`).
 """
 
 from __future__ import annotations
@@ -42,51 +43,68 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-VOTE_INTERVAL_S = 0.5
-"""About how often, in seconds of training, the ranks vote on a scheduler's SIGTERM..."""
+VOTE_INTERVAL_S = 0.25
+"""About how often, in seconds of training, the ranks vote on a scheduler's signal (every step once steps take
+this long or longer)..."""
 MAX_STEPS_BETWEEN_VOTES = 8
 """...and at least every this many training steps (steps that slow down cannot delay a stop for long)."""
+STOP_VOTE = 1e30
+"""A rank's vote once it noted SIGTERM (larger than any seconds per step, finite in fp32)."""
+REQUEUE_VOTE = math.inf
+"""A rank's vote once it noted the cluster's requeue signal (SLURM's ``--signal``): stop, and requeue the job."""
 
 
 class SchedulerSignal:
-    """SIGTERM handling that stops every rank after the same training step, with no blocking collective per step.
+    """SIGTERM and SLURM's requeue signal stop every rank after the same training step, with no blocking collective
+    per step; the handler only notes the signal.
 
     Lightning 2.6's handler broadcasts inside the signal handler (`_SignalConnector._sigterm_notifier_fn`) and each
     rank acts on its own flag at the end of a step. When a scheduler signals every rank, as SLURM and Kubernetes
     do, those broadcasts interleave with the step's collectives and the job hangs until the process-group timeout.
     Lightning also broadcasts rank 0's flag at the start of every training step (`_broadcast_sigterm_tensor`): a
     blocking collective and a host read per step, which lines the ranks up and so costs a pipeline the overlap
-    of one step's end with the next one's start.
+    of one step's end with the next one's start. Under ``SLURMEnvironment(auto_requeue=True)`` its requeue signal's
+    handler saves a checkpoint inside the handler, a collective that can start on one rank mid-schedule: it is
+    replaced by the same note.
 
     Here the handler only notes the signal (and passes it to the ranks this process launched), and the per-step
     broadcast is replaced by a vote: at the start of a training step each rank starts a non-blocking all-reduce
     (max) of its vote and reads the vote started at the previous voting step (long since arrived; on CUDA through
-    a non-blocking copy). A rank votes infinity once it noted the signal, else its seconds per training step since
-    the last vote. Every rank reads the same result at the same step: infinity stops all of them after that step
-    (a SIGTERMException before it, as Lightning's broadcast raises); otherwise the result sets how many steps pass
+    a non-blocking copy). A rank votes `STOP_VOTE` once it noted SIGTERM, `REQUEUE_VOTE` once it noted the requeue
+    signal, else its seconds per training step since the last vote. Every rank reads the same result at the same
+    step: a stop vote stops all of them before that step (a SIGTERMException, as Lightning's broadcast raises;
+    ``stopped`` and ``requeue`` say so, and `preemption` saves); otherwise the result sets how many steps pass
     until the next vote: about `VOTE_INTERVAL_S` of training, at most `MAX_STEPS_BETWEEN_VOTES` steps, every step
-    when steps are slower. A vote is a small collective, and on a busy CPU even a non-blocking one costs a
-    pipeline's step a few percent. So all ranks stop together within two intervals and a step of the signal
-    (about a second, or 2 × 8 steps, whichever comes first), and exit cleanly. A signal that
-    arrives during a checkpoint save is held until the save is whole (`checkpoint.save`).
+    when steps take `VOTE_INTERVAL_S` or longer. So once steps take 0.25 s or more, every rank stops within two
+    steps of the signal (the step it arrived in and the next: the vote started at the next step's start is read
+    one step later); with shorter steps, within two intervals and a step (about 0.5 s of training, or 2 × 8 steps,
+    whichever comes first). A signal that arrives during a checkpoint save or during validation is only noted, and
+    acted on at the next vote. A one-rank run has no vote: Lightning's loops stop it after the current batch.
     """
 
     def __init__(self) -> None:
         self._watched: pl.Trainer | None = None
-        self._noted = False
+        self._noted = 0.0
+        self._requeue_signal: int | None = None
         self._vote: tuple[dist.Work, Tensor] | None = None
         self._mirror: HostMirror | None = None
         self._steps_between_votes = 1
         self._steps_to_vote = 0
         self._voted_at = 0.0
+        self.stopped = False
+        """Whether the ranks agreed to stop (a one-rank run: it noted a signal) in the current fit."""
+        self.requeue = False
+        """Whether the stop came from the cluster's requeue signal (on some rank)."""
 
     def install(self, trainer: pl.Trainer) -> None:
-        self._watched, self._noted, self._vote = trainer, False, None
+        self._watched, self._noted, self._vote = trainer, 0.0, None
         self._steps_between_votes, self._steps_to_vote = 1, 0
-        if trainer.world_size > 1:
-            install_sigterm_hooks(trainer, on_signal=self._note, before_step=self._agree)
-            device = trainer.strategy.root_device
-            self._mirror = HostMirror(device) if device.type == "cuda" else None
+        self.stopped = self.requeue = False
+        environment = trainer.strategy.cluster_environment
+        self._requeue_signal = getattr(environment, "requeue_signal", None)  # SLURMEnvironment's
+        install_sigterm_hooks(trainer, on_signal=self._note, before_step=self._agree)
+        device = trainer.strategy.root_device
+        self._mirror = HostMirror(device) if device.type == "cuda" and trainer.world_size > 1 else None
 
     def forget_vote(self) -> None:
         """Drop the vote in flight (it holds its process group); at exit, once the groups are destroyed."""
@@ -97,17 +115,24 @@ class SchedulerSignal:
         log.info("lightning_smp: rank %d received signal %d", trainer.global_rank, signum)
         if not self._noted and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)
-        self._noted = True
-        if trainer.state.fn != TrainerFn.FITTING:  # no training steps to agree at: each rank stops at its next batch
+        vote = REQUEUE_VOTE if signum == self._requeue_signal else STOP_VOTE
+        self._noted = max(self._noted, vote)
+        if trainer.state.fn != TrainerFn.FITTING or trainer.world_size == 1:
+            # no training steps to agree at (or no one to agree with): it stops at its next batch
+            self.stopped, self.requeue = True, self._noted == REQUEUE_VOTE
             mark_sigterm_received(trainer)
 
     def _agree(self) -> None:
         """At the start of every training step on every rank (in place of Lightning's broadcast); collective at
-        the voting steps, which every rank counts alike."""
+        the voting steps, which every rank counts alike. With gradient accumulation it runs at every batch; an
+        agreed stop waits for the batch that starts an optimizer step (the accumulated gradients are not saved)."""
+        trainer = self._watched
+        if self.stopped:  # agreed on at a batch inside an accumulation
+            self._stop_at_an_optimizer_step(trainer)
+            return
         self._steps_to_vote -= 1
         if self._steps_to_vote > 0:
             return
-        trainer = self._watched
         now = time.monotonic()
         seconds_per_step = 0.0
         if self._vote is not None:
@@ -117,14 +142,15 @@ class SchedulerSignal:
                 result = votes.item()
             else:
                 result = self._mirror.read()
-            if result == math.inf:
+            if result >= STOP_VOTE:
                 self._vote = None
-                mark_sigterm_received(trainer)
-                raise SIGTERMException  # as Lightning's broadcast does, before the step
+                self.stopped, self.requeue = True, result == REQUEUE_VOTE
+                self._stop_at_an_optimizer_step(trainer)
+                return
             seconds_per_step = (now - self._voted_at) / self._steps_between_votes
             steps = int(VOTE_INTERVAL_S / result) if result > 0 else 1
             self._steps_between_votes = min(max(steps, 1), MAX_STEPS_BETWEEN_VOTES)
-        vote = math.inf if self._noted else seconds_per_step
+        vote = self._noted or seconds_per_step
         votes = torch.tensor(vote, device=trainer.strategy.root_device)
         work = dist.all_reduce(votes, op=dist.ReduceOp.MAX, async_op=True)
         if self._mirror is not None:
@@ -133,6 +159,13 @@ class SchedulerSignal:
         self._vote = (work, votes)
         self._voted_at = now
         self._steps_to_vote = self._steps_between_votes
+
+    @staticmethod
+    def _stop_at_an_optimizer_step(trainer: pl.Trainer) -> None:
+        completed = trainer.fit_loop.epoch_loop.batch_progress.current.completed  # this epoch's, alike on every rank
+        if completed % trainer.accumulate_grad_batches == 0:
+            mark_sigterm_received(trainer)
+            raise SIGTERMException  # as Lightning's broadcast does, before the step
 
 
 # What gloo and NCCL say when a peer has died or stopped answering.

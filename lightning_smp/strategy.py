@@ -7,10 +7,12 @@ parallelism, materialisation), whose pipeline engine then runs every step and se
 loop; it owns the precision plugin (Lightning would otherwise replace
 it, see reference/lightning-2.6.md), samples data and feeds each step the batch its tensor-parallel
 group trains on as ``prescaled_batch`` says (`tp_batches`), reduces logged values over the replicas,
-saves and loads sharded checkpoints (`checkpoint`), ends every rank on a failure and frees the process groups at
-exit after a success (`fault_tolerance`). It extends `DDPStrategy` because launching, process-group setup and bucketed,
-backward-overlapped gradient all-reduce are DDP's; with one replica, under pipeline parallelism (whose engine
-all-reduces itself) or with sharded optimizer state (whose optimizer reduce-scatters), it skips the DDP wrapper.
+saves and loads sharded checkpoints (`checkpoint`), saves and exits at the step every rank agreed on after a
+scheduler's signal (`preemption`), continues a resumed epoch at its batch (`data_position`), ends every rank on a
+failure and frees the process groups at exit after a success (`fault_tolerance`). It extends `DDPStrategy`
+because launching, process-group setup and bucketed, backward-overlapped gradient all-reduce are DDP's; with one
+replica, under pipeline parallelism (whose engine all-reduces itself) or with sharded optimizer state (whose
+optimizer reduce-scatters), it skips the DDP wrapper.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
-from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed import ReduceOp
@@ -41,7 +43,7 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_smp import build, fault_tolerance, tensor_parallel, tp_batches
+from lightning_smp import build, data_position, fault_tolerance, preemption, tensor_parallel, tp_batches
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
@@ -49,6 +51,7 @@ from lightning_smp._compat import (
     ddp_kwargs,
     dump_checkpoint,
     forward_redirection,
+    route_last_checkpoint,
     strategy_timeout,
     sync_ddp_if_available,
     sync_module_states,
@@ -143,6 +146,7 @@ class SMPStrategy(DDPStrategy):
         virtual_stages: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
         sequence_parallel: bool = False,
+        async_checkpoint: bool = False,
         smp_options: dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -165,6 +169,8 @@ class SMPStrategy(DDPStrategy):
         self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
         self._checked_batches: set[str] = set()  # the steps whose first batch `tp_batches.check_batches` compared
+        self._data_positioned = False  # whether this fit's training loader was set at the resumed batch
+        route_last_checkpoint(_newest_checkpoint_for_smp)  # `ckpt_path="last"`: the newest complete checkpoint
         self.failed = False
         """Whether the last fit/validate/test ended in an exception (then the process groups stay at exit)."""
         super().__init__(
@@ -235,6 +241,7 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        preemption.check_torchelastic_restarts()
         super().setup_environment()
         config = self._config
         self._topology = topology_builder.build(
@@ -290,6 +297,7 @@ class SMPStrategy(DDPStrategy):
         # optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
         self._checked_batches.clear()  # each run's loops check their first batch again
+        self._data_positioned = False
         _reduce_metrics_over_replicas(self.model, self.topology)
         self._sigterm.install(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -425,6 +433,14 @@ class SMPStrategy(DDPStrategy):
         return nullcontext()
 
     @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module.trainer
+        if trainer.state.stage != RunningStage.TRAINING or self._data_positioned:
+            return dataloader
+        self._data_positioned = True  # once per fit: the first training loader, after the restore
+        return data_position.position_resumed(trainer, dataloader)
+
+    @override
     def on_train_end(self) -> None:
         """No stage leaves a loop before every stage has its last step's result (see `PipelineEngine.settle`)."""
         if self._pipeline is not None:
@@ -532,10 +548,18 @@ class SMPStrategy(DDPStrategy):
             )
         path = self.broadcast(filepath)  # every rank writes its part into rank 0's path
         owned = self._pipeline.owned_parameter_names() if self._pipeline is not None else None
-        checkpointing.save(checkpoint, path, module=self.lightning_module, run=self._checkpoint_run(), owned=owned)
+        checkpointing.save(
+            checkpoint,
+            path,
+            module=self.lightning_module,
+            run=self._checkpoint_run(),
+            owned=owned,
+            asynchronous=self._config.async_checkpoint,
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: str | PathLike, weights_only: bool | None = None) -> dict[str, Any]:
+        checkpointing.wait_for_saves()
         module = self.lightning_module
         return checkpointing.load(
             self.broadcast(checkpoint_path),
@@ -596,6 +620,10 @@ class SMPStrategy(DDPStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         self.failed = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if isinstance(exception, SIGTERMException) and self._sigterm.stopped and trainer.state.fn == TrainerFn.FITTING:
+            # every rank is here, at the step the ranks agreed on: save, requeue, exit code 75
+            preemption.preempted(trainer, exception, requeue=self._sigterm.requeue)
         notes = []
         if "Expected to have finished reduction in the prior iteration" in str(exception):
             notes.append(
@@ -615,6 +643,8 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        if not self.failed:
+            checkpointing.wait_for_saves()  # an asynchronous save in flight is published before the run ends
         smp_facade.end_run()
         module = self.lightning_module if self.lightning_module is not None else torch.nn.Module()
         with placements_kept(module), _meta_left_in_place(module):
@@ -630,6 +660,7 @@ class SMPStrategy(DDPStrategy):
             if isinstance(module, Metric):
                 module.process_group = None
         self._sigterm.forget_vote()
+        checkpointing.forget_save_group()
         self._pipeline = None
         self._topology = None
 
@@ -669,6 +700,14 @@ _PRESETS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     ("smp_fp16_fork", "`smp_fp16` launched by forking (notebooks)", {"fp16": True, "start_method": "fork"}),
     ("smp_bf16_fork", "`smp_bf16` launched by forking (notebooks)", {"bf16": True, "start_method": "fork"}),
 )
+
+
+def _newest_checkpoint_for_smp(trainer: pl.Trainer) -> Any:
+    """What ``ckpt_path="last"`` names for a trainer with this strategy (`preemption.newest_complete_checkpoint`);
+    Lightning's own choice for any other."""
+    if not isinstance(trainer.strategy, SMPStrategy):
+        return NotImplemented
+    return preemption.newest_complete_checkpoint(trainer)
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> None:

@@ -174,3 +174,14 @@ def test_planner_cost_reports_the_estimates_cpu_seconds_and_the_layouts_listed(t
     (row,) = json.loads(out.read_text())["rows"]
     assert row["command"] == f"lightning-smp estimate {estimate}"
     assert _positive(row["cpu_s"]) and _positive(row["import_cpu_s"]) and row["layouts_listed"] > 0
+
+
+@pytest.mark.timeout(400)
+def test_checkpoint_stall_times_saving_and_normal_steps_of_both_kinds(tmp_path: Path) -> None:
+    out = tmp_path / "stall.json"
+    run_benchmark("checkpoint_stall.py", "--size", "smoke", "--steps", "5", "--warmup", "1", "--out", str(out))
+    result = json.loads(out.read_text())
+    assert [row["kind"] for row in result["rows"]] == ["sync", "async"]
+    for row in result["rows"]:
+        assert all(_positive(row[key]) for key in ("normal", "saving"))
+    assert "stall_ratio" in result and result["settings"]["size"] == "smoke"

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim.lr_scheduler import StepLR
 
 from lightning_smp import SMPStrategy, checkpoint, consolidate_checkpoint, smp
-from lightning_smp.checkpoint import CheckpointError, loading, storage
+from lightning_smp.checkpoint import CheckpointError, asynchronous, loading, storage
 from lightning_smp.checkpoint.dcp_adapter import flat_range_boxes, stored
 from lightning_smp.consolidate_checkpoint import main as consolidate_main
 from lightning_smp.master_shard import FlatPiece
@@ -553,3 +553,32 @@ def test_a_replicas_flat_piece_of_a_tensor_parallel_shard_is_chunks_of_the_globa
             assert torch.equal(chunks.chunk(offsets), whole[region])  # each chunk holds the global tensor's values
             seen += chunks.chunk(offsets).flatten().tolist()
         assert sorted(seen) == sorted(piece.flat.tolist())  # every element of the piece, once
+
+
+# -- asynchronous saves: the snapshot and the writer thread (pure) ------------------------------------------------
+
+
+def test_an_asynchronous_snapshot_copies_every_tensor_and_chunk():
+    weight = torch.arange(8.0).view(2, 4)
+    chunks = stored(weight, TPShard(dim=0, parts=2, index=1))
+    entries = {"model/w": weight, "model/c": chunks, "rng/0": {"torch": torch.ones(2), "python": (3, (1, 2), None)}}
+    snapshot = asynchronous.snapshot(entries)
+    weight.add_(100.0)  # training goes on changing the originals
+    assert torch.equal(snapshot["model/w"], torch.arange(8.0).view(2, 4))
+    assert torch.equal(chunks.chunk(torch.Size([2, 0])), weight)  # a view of the live tensor
+    assert torch.equal(snapshot["model/c"].chunk(torch.Size([2, 0])), torch.arange(8.0).view(2, 4))  # a copy
+    assert snapshot["model/c"].size() == chunks.size() and snapshot["rng/0"]["python"] == (3, (1, 2), None)
+
+
+def test_an_asynchronous_save_that_failed_raises_at_the_next_wait_naming_the_fix():
+    def fail():
+        raise OSError("disk full (simulated)")
+
+    asynchronous.submit(fail)
+    with pytest.raises(CheckpointError, match=r"disk full \(simulated\).*async_checkpoint=False"):
+        asynchronous.wait()
+    asynchronous.wait()  # reported once
+    done = []
+    asynchronous.submit(lambda: done.append(1))
+    asynchronous.wait()
+    assert done == [1]

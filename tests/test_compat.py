@@ -17,7 +17,7 @@ from packaging.specifiers import SpecifierSet
 from torch import nn
 from torchmetrics.aggregation import SumMetric
 
-from lightning_smp import _compat
+from lightning_smp import SMPStrategy, _compat
 
 PACKAGE = Path(_compat.__file__).parent
 
@@ -303,16 +303,36 @@ def test_lightning_sigterm_hooks():
     from lightning.pytorch.trainer.connectors import signal_connector
 
     trainer = _trainer()
-    assert "self._sigterm_notifier_fn" in inspect.getsource(signal_connector._SignalConnector.register_signal_handlers)
+    registration = inspect.getsource(signal_connector._SignalConnector.register_signal_handlers)
+    assert "self._sigterm_notifier_fn" in registration and "self._slurm_sigusr_handler_fn" in registration
     assert "self._broadcast_sigterm_tensor()" in inspect.getsource(training_epoch_loop)
     calls = []
     _compat.install_sigterm_hooks(trainer, on_signal=lambda *a: calls.append(a), before_step=lambda: calls.append(0))
     trainer._signal_connector._sigterm_notifier_fn(15, None)
+    trainer._signal_connector._slurm_sigusr_handler_fn(10, None)
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor()
-    assert calls == [(15, None), 0]
+    assert calls == [(15, None), (10, None), 0]
     assert not trainer.received_sigterm
     _compat.mark_sigterm_received(trainer)
     assert trainer.received_sigterm
+
+
+def test_lightning_last_checkpoint_routed(tmp_path):
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    smp_trainer = pl.Trainer(strategy=SMPStrategy(), accelerator="cpu", devices=1, default_root_dir=tmp_path)
+    assert getattr(_CheckpointConnector._parse_ckpt_path, "__wrapped_by_lightning_smp__", False)  # by SMPStrategy
+    source = inspect.getsource(_CheckpointConnector._select_ckpt_path)
+    assert "self._parse_ckpt_path(" in source and "model_connected=model_connected" in source
+    (tmp_path / "checkpoints" / "preempted-step=3.ckpt").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "preempted-step=3.ckpt" / "meta.pt").write_bytes(b"")
+    arguments = (TrainerFn.FITTING, "last", True, True)
+    assert smp_trainer._checkpoint_connector._parse_ckpt_path(*arguments) == str(
+        tmp_path / "checkpoints" / "preempted-step=3.ckpt"
+    )
+    plain = pl.Trainer(accelerator="cpu", devices=1, default_root_dir=tmp_path, logger=False)
+    assert plain._checkpoint_connector._parse_ckpt_path(*arguments) is None  # Lightning's own: last*.ckpt only
 
 
 def test_lightning_child_process_observer():

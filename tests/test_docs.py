@@ -45,6 +45,7 @@ _OWN_EQUIVALENTS = {
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
     "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
+    "async_checkpoint": "none: smp v1 saved synchronously (smp v2 2.5.0 has asynchronous checkpoints)",
 }
 
 
@@ -237,7 +238,7 @@ _FIXES = {
     "copying … failed (": "The memory planner copies the model before laying it out; make the model deep-copyable "
     "(no open files or locks as attributes), or estimate the model states alone.",
     "There is no checkpoint at": "Check the path given to `ckpt_path=` (a checkpoint is a directory holding "
-    "`meta.pt`); with `ckpt_path='last'`, make sure a `ModelCheckpoint(save_last=True)` ran before.",
+    "`meta.pt`), or pass `ckpt_path='last'`: the newest complete checkpoint, none on a first run (docs/preemption.md).",
     "the checkpoint is damaged": "The files of this checkpoint were changed or cut short after it was written (a "
     "full disk, a copy that stopped): resume from an earlier checkpoint.",
     "Cannot load the checkpoint": "The lines below the first say what does not match (a parameter missing or "
@@ -342,6 +343,8 @@ _GROUP_OF_PATH = {
     "overlap.py": "Launching and failures",  # reductions started during backward
     "collectives.py": "Launching and failures",  # which way an all-gather or reduce-scatter runs; raises nothing
     "fault_tolerance.py": "Launching and failures",
+    "preemption.py": "Launching and failures",
+    "data_position.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
     "version.py": "Launching and failures",  # the version string; raises nothing
     "activation_checkpointing.py": "Model creation and memory",

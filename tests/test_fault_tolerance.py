@@ -23,9 +23,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.fault_tolerance import MAX_STEPS_BETWEEN_VOTES, close_process_groups, end_launched_ranks
+from lightning_smp.preemption import PREEMPTED_EXIT_CODE
 from tests.distributed import run_distributed, run_process
 from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
+from tests.parity import FP16_REL, single_device_run
 
 # The job's process-group timeout. It also bounds the wait for the second rank to join, which Lightning's launcher
 # starts as a fresh interpreter (~12 s of imports on an idle core, twice that on a loaded one).
@@ -35,7 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 class _Fault(Callback):
     """At the fourth batch: rank 1 is killed (``kill``), or every rank gets SIGTERM in the middle of writing that
-    step's checkpoint (``sigterm``, ``epoch=0-step=4.ckpt``), as a scheduler sends it to every process of a job."""
+    step's checkpoint (``sigterm``, ``epoch=0-step=4.ckpt``), as a scheduler sends it to every process of a job, or,
+    in torchrun's first attempt, rank 1 is killed in the middle of writing its part of that checkpoint
+    (``torchrun``)."""
 
     def __init__(self, mode: str, directory: Path) -> None:
         self.mode, self.directory = mode, directory
@@ -53,6 +57,14 @@ class _Fault(Callback):
                 return original(writer, plan, planner)
 
             FileSystemWriter.write_data = write_data
+        first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if self.mode == "torchrun" and trainer.global_step == 3 and trainer.global_rank == 1 and first_attempt:
+
+            def write_half_then_die(writer, plan, planner):
+                (Path(writer.path) / "__1_0.distcp").write_bytes(b"half a shard")
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            FileSystemWriter.write_data = write_half_then_die
 
 
 def _job(mode: str, directory: Path) -> None:
@@ -60,15 +72,18 @@ def _job(mode: str, directory: Path) -> None:
     trainer = quiet_trainer(
         SMPStrategy(fp16=True, timeout=timedelta(seconds=TIMEOUT_S)),
         devices=2,
-        max_steps=40,
+        max_steps=6 if mode == "torchrun" else 40,
         limit_val_batches=0,
         enable_checkpointing=True,
         callbacks=[_Fault(mode, directory), ModelCheckpoint(dirpath=directory, every_n_train_steps=1, save_top_k=-1)],
     )
+    torch.manual_seed(0)  # the reference's weights
+    model = TinyRegressor(num_samples=400)
     try:
-        trainer.fit(TinyRegressor(num_samples=400))
+        trainer.fit(model, ckpt_path="last" if mode == "torchrun" else None)
     finally:
         print(f"rank {trainer.global_rank} stopped at step {trainer.global_step}", flush=True)
+        print(f"rank {trainer.global_rank} resumed from {trainer.ckpt_path}: losses {model.losses}", flush=True)
 
 
 def _launch(mode: str, directory: Path) -> tuple[subprocess.CompletedProcess, float]:
@@ -89,21 +104,57 @@ def test_killing_one_rank_ends_every_rank_within_the_timeout_with_the_cause(tmp_
 
 
 @pytest.mark.timeout(360)
-def test_sigterm_on_every_rank_during_a_save_finishes_the_save_and_exits_cleanly(tmp_path):
+def test_sigterm_on_every_rank_during_a_save_finishes_the_save_then_saves_the_agreed_step_and_exits_preempted(tmp_path):
     result, _ = _launch("sigterm", tmp_path)
     output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
+    assert result.returncode == PREEMPTED_EXIT_CODE, output[-3000:]
     # the signal came while step 4's checkpoint was written; every rank stopped after the same later step, at most
     # two vote intervals of MAX_STEPS_BETWEEN_VOTES steps later, instead of training on to max_steps=40
     stopped = {int(step) for step in re.findall(r"rank \d stopped at step (\d+)", output)}
     assert len(re.findall(r"rank \d stopped at step", output)) == 2 and len(stopped) == 1, output[-3000:]
     (last,) = stopped
     assert 5 <= last <= 4 + 2 * MAX_STEPS_BETWEEN_VOTES, output[-3000:]
-    names = [p.name for p in tmp_path.iterdir()]
+    names = sorted(p.name for p in tmp_path.iterdir() if p.name != "killed_at")
+    assert f"preempted-step={last}.ckpt" in names, names  # the agreed step, saved in ModelCheckpoint's directory
+    names.remove(f"preempted-step={last}.ckpt")
     assert all(re.fullmatch(r"epoch=\d+-step=\d+\.ckpt", name) for name in names), names  # nothing half-written
     assert sorted(int(name.split("step=")[1][:-5]) for name in names) == list(range(1, last + 1))
     consolidated = torch.load(consolidate_checkpoint(tmp_path / "epoch=0-step=4.ckpt", tmp_path.parent / "c.pt"))
     assert consolidated["global_step"] == 4  # the checkpoint the signal interrupted is whole
+
+
+@pytest.mark.timeout(420)
+def test_torchrun_restarts_after_a_rank_is_killed_mid_save_and_resumes_from_the_last_whole_checkpoint(tmp_path):
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # pytorch#135712, as docs/preemption.md tells users
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    command += ["--max-restarts", "1", "-m", "tests.test_fault_tolerance", "torchrun", str(tmp_path)]
+    result = run_process(command, cwd=ROOT, env=env, timeout=360)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    # the first attempt: rank 1 died writing step 4's checkpoint, which was never published; the restarted
+    # attempt's "last" is step 3's, whole, and the run finishes
+    resumed = re.findall(r"rank (\d) resumed from (\S+): losses \[(.*)\]", output)
+    assert sorted(rank for rank, _, _ in resumed) == ["0", "0", "1"], output[-4000:]  # rank 1's first attempt died
+    restarted = [(path, losses) for _, path, losses in resumed if path != "None"]
+    assert [Path(path).name for path, _ in restarted] == ["epoch=0-step=3.ckpt"] * 2, restarted
+    assert all(len(losses.split(",")) == 3 for _, losses in restarted)  # steps 4 to 6
+    # ... with the losses of an uninterrupted run: the plain-torch fp16 reference on both replicas' batches
+    reference = single_device_run(
+        lambda: TinyRegressor(num_samples=400),
+        lambda model, batch, step: model.training_step(batch, step),
+        steps=6,
+        replicas=2,
+        fp16=True,
+        init_scale=2.0**32,  # SMPStrategy(fp16=True)'s
+    )
+    per_rank = [[float(value) for value in losses.split(",")] for _, losses in restarted]
+    assert [sum(pair) / 2 for pair in zip(*per_rank, strict=True)] == pytest.approx(
+        reference["losses"][3:], rel=FP16_REL
+    )
+    assert set(re.findall(r"rank \d stopped at step (\d+)", output)) >= {"6"}
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert [int(name.split("step=")[1][:-5]) for name in names] == [1, 2, 3, 4, 5, 6], names  # none half-written
 
 
 class _Launcher:

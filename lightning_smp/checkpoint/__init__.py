@@ -13,10 +13,10 @@ the file, the rank and the parameter.
 One module per concern: `names` (global names, masters, optimizer state by name), `storage` (staging, atomic
 publish, fsync, removal), `verification` (the meta record, CRC-32s, `CheckpointError`), `dcp_adapter` (shards as
 chunks, the planners, the writer that reports progress), `saving` and `loading` (the order of a save and of a
-load), `consolidation` and `export` (one file, or a Hugging Face directory, in one process), `whole_tensors`
-(reading a tensor whole from every rank's chunks), `torch_file` and `safetensors_file` (writing those formats one
-tensor at a time), `hugging_face` (the wrapped transformers model a save records), `tags` (smp's tagged
-checkpoints) and `rng` (the random generators).
+load), `asynchronous` (a save written on a background thread), `consolidation` and `export` (one file, or a
+Hugging Face directory, in one process), `whole_tensors` (reading a tensor whole from every rank's chunks),
+`torch_file` and `safetensors_file` (writing those formats one tensor at a time), `hugging_face` (the wrapped
+transformers model a save records), `tags` (smp's tagged checkpoints) and `rng` (the random generators).
 
 A checkpoint is a directory (Lightning's sharded-checkpoint convention: ``meta.pt`` marks it)::
 
@@ -35,6 +35,8 @@ and it loads at any data-parallel degree) and
 ``rng/<rank>`` (each rank's random generators).
 """
 
+from lightning_smp.checkpoint.asynchronous import forget_process_group as forget_save_group
+from lightning_smp.checkpoint.asynchronous import wait as wait_for_saves
 from lightning_smp.checkpoint.consolidation import consolidate_checkpoint, consolidated_state_dict
 from lightning_smp.checkpoint.export import export_hf
 from lightning_smp.checkpoint.loading import load
@@ -59,6 +61,7 @@ __all__ = [
     "consolidated_state_dict",
     "describe_run",
     "export_hf",
+    "forget_save_group",
     "is_sharded_checkpoint",
     "load",
     "model_state_dict",
@@ -68,4 +71,5 @@ __all__ = [
     "resolve",
     "save",
     "tagged_path",
+    "wait_for_saves",
 ]

@@ -93,6 +93,13 @@ class Chunks:
     def chunk(self, offsets: torch.Size) -> Tensor:
         return self._chunks[torch.Size(offsets)]
 
+    def copied(self, copy: Callable[[Tensor], Tensor]) -> Chunks:
+        """The same chunks, each replaced by ``copy(chunk)`` (an asynchronous save's snapshot in host memory)."""
+        snapshot = Chunks.__new__(Chunks)
+        snapshot.local, snapshot._size, snapshot._properties = None, self._size, self._properties
+        snapshot._chunks = {offsets: copy(chunk) for offsets, chunk in self._chunks.items()}
+        return snapshot
+
 
 class SavePlanner(DefaultSavePlanner):
     """Our entries are flat already: a dict value (the random generators) is one object, not a subtree.

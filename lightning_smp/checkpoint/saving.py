@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from lightning_smp.checkpoint import asynchronous as asynchronous_saves
 from lightning_smp.checkpoint.dcp_adapter import ReportingWriter, SavePlanner, stored, stored_like_param
 from lightning_smp.checkpoint.hugging_face import RECORD_KEY, describe_models
 from lightning_smp.checkpoint.names import MODEL, OPTIM, RNG, params_by_name, shards_by_name
@@ -54,6 +55,7 @@ def save(
     module: nn.Module,
     run: dict[str, Any],
     owned: set[str] | None = None,
+    asynchronous: bool = False,
 ) -> None:
     """Write Lightning's ``checkpoint`` dict to the directory ``path``; collective, every rank calls it.
 
@@ -63,7 +65,10 @@ def save(
     stage trains); only those are written from here. None: every parameter this rank holds. The checkpoint is written to
     a hidden temporary directory beside ``path`` and renamed to ``path`` only once every rank's files and the
     metadata are on disk, so a crash at any point leaves the previous checkpoint (and nothing that looks whole).
+    ``asynchronous``: return once this rank's part is copied (`asynchronous.snapshot`) and write it on a background
+    thread; any save first waits for the one in flight.
     """
+    asynchronous_saves.wait()
     path = Path(path)
     rank = dist.get_rank()
     entries, rest = _split_for_storage(checkpoint, module, rank, owned)
@@ -71,24 +76,48 @@ def save(
         remove_stale_staging(path)
     staging = Path(broadcast_object(str(staging_path(path)) if rank == 0 else None))
     staging.mkdir(parents=True, exist_ok=True)
+    models = describe_models(module)  # what export_hf writes config.json from
+    if not asynchronous:
+        _write(entries, rest, path, staging, rank=rank, run=run, models=models, group=None)
+        return
+    group = asynchronous_saves.process_group()
+    entries, rest = asynchronous_saves.snapshot(entries), asynchronous_saves.snapshot(rest)
+    asynchronous_saves.submit(
+        lambda: _write(entries, rest, path, staging, rank=rank, run=run, models=models, group=group)
+    )
+
+
+def _write(
+    entries: dict[str, Any],
+    rest: dict[str, Any],
+    path: Path,
+    staging: Path,
+    *,
+    rank: int,
+    run: dict[str, Any],
+    models: Any,
+    group: Any,
+) -> None:
+    """Every rank's entries into ``staging``, then (rank 0) the meta file and the publish; collective over
+    ``group`` (None: the default group)."""
     try:
         with signals_deferred():
             with reraised_as_checkpoint_error(f"Saving the checkpoint {str(path)!r} failed; nothing was published"):
                 writer = ReportingWriter(staging, what=f"saving {path.name} (rank {rank}'s files)")
-                dcp.save(entries, storage_writer=writer, planner=SavePlanner())
-            files = all_gather_object(describe_own_files(staging, rank))
+                dcp.save(entries, storage_writer=writer, planner=SavePlanner(), process_group=group)
+            files = all_gather_object(describe_own_files(staging, rank), group=group)
             error = None
             if rank == 0:
                 try:
                     record = {**run, "format": FORMAT_VERSION, "version": __version__}
                     record["torch"] = str(torch.__version__)
-                    record[RECORD_KEY] = describe_models(module)  # what export_hf writes config.json from
+                    record[RECORD_KEY] = models
                     record["files"] = {name: info for part in files for name, info in part.items()}
                     write_file(staging / META_FILENAME, {**rest, RECORD: record})
                     publish(staging, path)
                 except Exception as exception:  # report it to every rank, then raise it here
                     error = exception
-            remote = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+            remote = broadcast_object(None if error is None else f"{type(error).__name__}: {error}", group=group)
             if error is not None:
                 raise error
             if remote is not None:

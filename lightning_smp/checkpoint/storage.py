@@ -132,17 +132,17 @@ def remove_path(path: Path) -> None:
         path.unlink()
 
 
-def all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any, group: Any = None) -> list[Any]:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [obj]
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)
+    dist.all_gather_object(gathered, obj, group=group)
     return gathered
 
 
-def broadcast_object(obj: Any) -> Any:
+def broadcast_object(obj: Any, group: Any = None) -> Any:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
