@@ -45,6 +45,8 @@ _OWN_EQUIVALENTS = {
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
     "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
+    "context_parallel_degree": "smp v2's `context_parallel_degree`; none in smp v1",
+    "cp_comm_type": "smp v2's `torch.sagemaker.transform(cp_comm_type=...)`; none in smp v1",
 }
 
 
@@ -320,7 +322,7 @@ _GROUPS = {
     "Model creation and memory": "Building the model (`configure_model`, delayed initialisation), activation "
     "checkpointing and memory estimates.",
     "Tensor parallelism": "What tensor parallelism splits (`smp.model_creation`, `smp.set_tensor_parallelism`, "
-    "`tensor_parallel_plan`) and what the split layers take.",
+    "`tensor_parallel_plan`) and what the split layers take; the sequences context parallelism splits.",
     "Pipeline parallelism": "Where the model is cut into stages, how a batch splits into microbatches, and what a "
     "pipelined step may do.",
     "Precision and loss scaling": "fp16 / bf16 parameters with fp32 master weights, the loss scale and the "
@@ -356,6 +358,7 @@ _GROUP_OF_PATH = {
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",
     "tp_batches.py": "Tensor parallelism",
+    "context_parallel/": "Tensor parallelism",  # the sequence split across ranks, and attention over it
     "pipeline/": "Pipeline parallelism",
     "precision.py": "Precision and loss scaling",
     "loss_scaler.py": "Precision and loss scaling",
