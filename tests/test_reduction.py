@@ -11,7 +11,7 @@ from lightning_smp.reduction import backward_buckets, buckets, plan_reduction
 
 def _topology(*, dp: int, pp: int = 1, device_type: str = "cpu") -> SimpleNamespace:
     mesh = SimpleNamespace(device_type=device_type)
-    return SimpleNamespace(pp=pp, mesh=mesh, size=lambda axis: {"dp": dp, "pp": pp}[axis])
+    return SimpleNamespace(pp=pp, mesh=mesh, replica_axis="dp", size=lambda axis: {"dp": dp, "pp": pp}[axis])
 
 
 @pytest.mark.parametrize(
@@ -60,3 +60,14 @@ def test_backward_buckets_put_first_the_bucket_backward_finishes_first():
     ]
     # one bucket per dtype: the fp32 one is complete before the half one
     assert [[id(t) for t in b] for b in backward_buckets([half, first, last])] == [[id(last), id(first)], [id(half)]]
+
+
+@pytest.mark.parametrize(
+    ("settings", "pp", "mechanism"), [({}, 1, "ddp"), ({"pipeline_parallel_degree": 2}, 2, "pipeline")]
+)
+def test_context_parallel_ranks_reduce_as_replicas(settings, pp, mechanism):
+    # one data-parallel replica split over two context-parallel ranks: the same parameters, gradients of two halves
+    sizes = {"dp": 1, "dp_cp": 2, "pp": pp}
+    topology = SimpleNamespace(pp=pp, mesh=SimpleNamespace(device_type="cpu"), replica_axis="dp_cp", size=sizes.get)
+    plan = plan_reduction(SMPConfig(context_parallel_degree=2, **settings), topology)
+    assert (plan.mechanism, plan.replicas, plan.axis) == (mechanism, 2, "dp_cp")
