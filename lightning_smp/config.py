@@ -43,6 +43,9 @@ _OWN_FIELDS = frozenset(
     }
 )
 _CP_COMM_TYPES = ("p2p", "all_gather")
+# lightning_smp settings named as smp v2 names them: accepted in an smp_options ``parameters`` dict too (an smp v2
+# job's), though smp v1 had none, so `SMPConfig.as_smp_parameters` (smp v1's ``smp.state.cfg``) leaves them out
+_SMP_V2_NAMES = frozenset({"context_parallel_degree"})
 TENSOR_PARALLEL_STYLES = (
     "colwise",
     "rowwise",
@@ -534,7 +537,9 @@ class SMPConfig:
     def from_smp_options(cls, options: Mapping[str, Any], **overrides: Any) -> SMPConfig:
         """Build from SageMaker's ``smp_options`` as pasted (``{"enabled": True, "parameters": {...}}``) or
         from its inner parameters dict; ``overrides`` are further field values and win over the dict."""
-        sources = _sources.smp_parameters(options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS)
+        sources = _sources.smp_parameters(
+            options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS - _SMP_V2_NAMES
+        )
         sources.fields.update(_sources.canonical(overrides, source="keyword arguments", accepted=_FIELD_NAMES))
         return cls._from(sources)
 
@@ -584,7 +589,7 @@ class SMPConfig:
 
 
 _FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(SMPConfig))
-_SMP_NAMES = _FIELD_NAMES - _OWN_FIELDS
+_SMP_NAMES = (_FIELD_NAMES - _OWN_FIELDS) | _SMP_V2_NAMES
 
 
 def _rebuild(values: dict[str, Any]) -> SMPConfig:

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_smp import SMPStrategy, smp
+from lightning_smp import SMPConfig, SMPStrategy, estimate_memory, smp
 from lightning_smp.context_parallel import ring, sequence
 from lightning_smp.topology import coordinates, rank_groups
 from tests.distributed import init_gloo, launch_once
@@ -95,6 +95,21 @@ def test_blocks_merged_by_logsumexp_equal_full_attention(cp, causal, kv_heads):
     torch.testing.assert_close(grad_v, v.grad)
 
 
+def test_the_settings_default_to_none_check_their_values_and_come_from_smp_v2_options_too():
+    assert (SMPConfig().context_parallel_degree, SMPConfig().cp_comm_type) == (1, "p2p")
+    options = {"enabled": True, "parameters": {"context_parallel_degree": 2, "pipeline_parallel_degree": 2}}
+    assert SMPConfig.from_smp_options(options).context_parallel_degree == 2
+    assert "context_parallel_degree" not in SMPConfig().as_smp_parameters()  # smp v1's smp.state.cfg has none
+    assert SMPConfig(context_parallel_degree=2, tensor_parallel_degree=2).data_parallel_degree(8) == 2
+    with pytest.raises(ValueError, match=r"context_parallel_degree=2 = 4 does not divide the world size 6"):
+        SMPConfig(context_parallel_degree=2, tensor_parallel_degree=2).data_parallel_degree(6)
+    with pytest.raises(ValueError, match=r"context_parallel_degree=0 is invalid; set it to an int >= 1"):
+        SMPConfig(context_parallel_degree=0)
+    with pytest.raises(ValueError, match=r"cp_comm_type='ring' is invalid; choose one of 'p2p', 'all_gather'"):
+        SMPConfig(cp_comm_type="ring")
+    assert SMPConfig(placement_strategy="dpct").placement_order == "DPCT"
+
+
 def test_rank_groups_with_a_context_parallel_axis():
     groups = rank_groups("cluster", dp=2, pp=1, tp=2, cp=2)  # DPCT: rank = dp*4 + cp*2 + tp
     assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
@@ -114,15 +129,21 @@ class _SplitGPT(TinyGPT):
     """`tests.gpt.TinyGPT` (nn.TransformerEncoderLayer blocks) whose positions come from ``smp.cp_positions``, causal
     or bidirectional, trained with AdamW on ``samples`` random sequences of 8 tokens in shuffled batches of 8."""
 
-    def __init__(self, *, causal: bool = True, checkpointing: bool = False, samples: int = STEPS * BATCH) -> None:
+    def __init__(
+        self, *, causal: bool = True, checkpointing: bool = False, samples: int = STEPS * BATCH, wrong: str = ""
+    ) -> None:
         super().__init__(checkpointing=checkpointing)
         self.causal, self.samples = causal, samples
+        self.wrong = wrong  # "length": sequences of 6 tokens; "padding": a key padding mask; "no attention"
 
     def forward(self, ids: Tensor) -> Tensor:
         h = self.tok(ids) + self.pos(smp.cp_positions(ids.shape[1]))  # (B, T/cp, W)
+        if self.wrong == "no attention":
+            return self.head(self.norm(h))
         mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=h.dtype) if self.causal else None
+        padding = torch.zeros(ids.shape, dtype=torch.bool) if self.wrong == "padding" else None
         for block in self.blocks:
-            h = block(h, src_mask=mask, is_causal=self.causal)
+            h = block(h, src_mask=mask, is_causal=self.causal, src_key_padding_mask=padding)
         return self.head(self.norm(h))  # (B, T/cp, V)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -132,7 +153,10 @@ class _SplitGPT(TinyGPT):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(*token_batches(seed=1, samples=self.samples)), batch_size=BATCH, shuffle=True)
+        ids, target = token_batches(seed=1, samples=self.samples)
+        if self.wrong == "length":
+            ids, target = ids[:, :6], target[:, :6]
+        return DataLoader(TensorDataset(ids, target), batch_size=BATCH, shuffle=True)
 
 
 class _SplitLlama(TinyLlama):
@@ -235,6 +259,12 @@ def _layouts(rank: int, world: int, pretrained: str, resume: str) -> dict:
         results[name] = _fit(_model(kind, pretrained), kwargs, max_steps=STEPS)
     if world == 2:  # an epoch of two steps at cp2, saved, for the resume at cp1
         results["cp2_first_epoch"] = _fit(_SplitGPT(samples=2 * BATCH), _CP, max_epochs=1, save=resume)
+        results["errors"] = {}
+        for wrong in ("length", "padding", "no attention"):
+            try:
+                _fit(_SplitGPT(wrong=wrong), _CP, max_steps=1)
+            except ValueError as error:
+                results["errors"][wrong] = str(error)
     return results
 
 
@@ -300,3 +330,28 @@ def test_resume_a_cp2_checkpoint_at_cp1_equals_the_uninterrupted_run():
     losses = mean_losses(first, steps=STEPS // 2) + resumed["losses"]
     assert losses == pytest.approx(reference["losses"], rel=FP32_REL)
     _assert_weights(resumed["weights"], reference["weights"])
+
+
+def test_the_planner_counts_one_ranks_part_of_the_sequences():
+    with torch.device("meta"):
+        model = _SplitGPT()
+        model.configure_model()
+    batch = token_batches(seed=1, samples=BATCH)
+    one, cp2, cp4 = (
+        estimate_memory(model, config={"context_parallel_degree": cp}, batch=batch).largest for cp in (1, 2, 4)
+    )
+    assert one.activations > 0 and one.parameters == cp2.parameters == cp4.parameters  # parameters are replicated
+    assert 0.45 < cp2.activations / one.activations < 0.55 and 0.2 < cp4.activations / one.activations < 0.3
+    with pytest.raises(ValueError, match="length 8, which context_parallel_degree=3 cannot split"):
+        estimate_memory(model, config={"context_parallel_degree": 3}, batch=batch)
+
+
+@pytest.mark.timeout(600)
+def test_what_context_parallelism_cannot_split_raises_at_the_first_step_naming_the_fix():
+    for rank in _launch(2):
+        errors = rank["errors"]
+        assert "has length 6, which context_parallel_degree=2 cannot split" in errors["length"]
+        assert "multiple of 4 (e.g. 8)" in errors["length"]
+        assert "an attention mask of shape" in errors["padding"] and "is_causal=True" in errors["padding"]
+        assert "ran no attention lightning_smp can split" in errors["no attention"]
+        assert "set context_parallel_degree=1" in errors["no attention"]

@@ -45,7 +45,8 @@ _OWN_EQUIVALENTS = {
     "tensor_parallel_plan": "`smp.set_tensor_parallelism(module)`, `smp.tensor_parallelism()`",
     "virtual_stages": "none: smp v1 ran one chunk per stage",
     "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
-    "context_parallel_degree": "smp v2's `context_parallel_degree`; none in smp v1",
+    "context_parallel_degree": 'smp v2\'s `parameters["context_parallel_degree"]` (accepted in `smp_options`); none '
+    "in smp v1",
     "cp_comm_type": "smp v2's `torch.sagemaker.transform(cp_comm_type=...)`; none in smp v1",
 }
 

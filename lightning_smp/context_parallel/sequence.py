@@ -26,8 +26,8 @@ def chunks(cp: int, rank: int) -> tuple[int, int]:
 
 
 def check_length(length: int, cp: int, *, what: str = "the sequence") -> None:
-    """Raise, naming the fix, unless ``length`` splits into 2·cp equal chunks."""
-    if length % (2 * cp):
+    """Raise, naming the fix, unless ``length`` splits into 2·cp equal chunks (any length passes at cp = 1)."""
+    if cp > 1 and length % (2 * cp):
         raise ValueError(
             f"{what} has length {length}, which context_parallel_degree={cp} cannot split: every sequence is cut into "
             f"2 × {cp} = {2 * cp} equal chunks (each rank a head and a tail chunk, for causal balance). Pad or cut the "
