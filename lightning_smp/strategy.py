@@ -49,7 +49,6 @@ from lightning_smp._compat import (
     ddp_kwargs,
     dump_checkpoint,
     forward_redirection,
-    replaced_scaled_dot_product_attention,
     strategy_timeout,
     sync_ddp_if_available,
     sync_module_states,
@@ -497,25 +496,18 @@ class SMPStrategy(DDPStrategy):
 
     @contextmanager
     def _split_sequence_attention(self, name: str) -> Generator[None, None, None]:
-        """Under context parallelism, attention over the whole split sequence for the duration of a step (or its
-        backward). A model whose first step ran no attention we could reach raises: it would train on each rank's
-        chunks as if they were whole sequences."""
+        """Under context parallelism, attention over the whole split sequence for a step (or its backward); the first
+        of each kind of step must have run attention (`context_parallel.attending_over_split_sequences`)."""
         topology = self.topology
         if topology.cp == 1:
             yield
             return
-        attention = context_parallel.SplitSequenceAttention(topology.group("cp"), self._config.cp_comm_type)
-        with replaced_scaled_dot_product_attention(attention):
+        check = name if name != "backward" and name not in self._attending_steps else None
+        with context_parallel.attending_over_split_sequences(
+            topology.group("cp"), self._config.cp_comm_type, check=check
+        ):
             yield
-        if name != "backward" and name not in self._attending_steps:
-            if attention.calls == 0:
-                raise ValueError(
-                    f"context_parallel_degree={topology.cp}, but the model's {name} ran no attention lightning_smp "
-                    "can split: it reaches nn.MultiheadAttention, nn.Transformer*Layer, F.scaled_dot_product_attention "
-                    "and Hugging Face models. Use F.scaled_dot_product_attention (is_causal=True for causal "
-                    "attention), or set context_parallel_degree=1."
-                )
-            self._attending_steps.add(name)
+        self._attending_steps.add(name)
 
     def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._reduction.sharded_parameters:

@@ -20,7 +20,7 @@ from lightning_smp import SMPConfig, SMPStrategy, estimate_memory, smp
 from lightning_smp.context_parallel import ring, sequence
 from lightning_smp.topology import coordinates, rank_groups
 from tests.distributed import init_gloo, launch_once
-from tests.gpt import TinyGPT, TinyLlama, llama_config, token_batches
+from tests.gpt import HEADS, SEQ, WIDTH, TinyGPT, TinyLlama, llama_config, token_batches
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, mean_losses, one_process, single_device_run
 
@@ -159,6 +159,29 @@ class _SplitGPT(TinyGPT):
         return DataLoader(TensorDataset(ids, target), batch_size=BATCH, shuffle=True)
 
 
+class _SplitDecoderGPT(_SplitGPT):
+    """`_SplitGPT` with ``nn.TransformerDecoderLayer`` blocks: causal self-attention, then attention over a memory
+    (the embeddings, split as the sequence is: every query attends to all of it)."""
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        torch.manual_seed(0)
+        self.tok, self.pos = nn.Embedding(self.vocab, WIDTH), nn.Embedding(SEQ, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.TransformerDecoderLayer(WIDTH, HEADS, 2 * WIDTH, 0.0, batch_first=True, norm_first=True)
+            for _ in range(2)
+        )
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, self.vocab, bias=False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        memory = h = self.tok(ids) + self.pos(smp.cp_positions(ids.shape[1]))  # (B, T/cp, W)
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.shape[1], dtype=h.dtype)
+        for block in self.blocks:
+            h = block(h, memory, tgt_mask=mask, tgt_is_causal=True)
+        return self.head(self.norm(h))  # (B, T/cp, V)
+
+
 class _SplitLlama(TinyLlama):
     """`tests.gpt.TinyLlama` (grouped-query attention) on the same data as `_SplitGPT`; nothing of its own for
     context parallelism: the strategy gives it position ids."""
@@ -205,6 +228,7 @@ _RUNS = {
     2: {
         "cp2": ("gpt", _CP, 1, False, None),
         "cp2_bidirectional": ("gpt_bidirectional", _CP, 1, False, None),
+        "cp2_decoder_layers": ("gpt_decoder", _CP, 1, False, None),
         "cp2_all_gather_checkpointed": ("gpt_checkpointed", {**_CP, "cp_comm_type": "all_gather"}, 1, False, None),
         "sdp2_cp2": (
             "gpt",
@@ -240,6 +264,8 @@ _RUNS = {
 def _model(kind: str, pretrained: str) -> pl.LightningModule:
     if kind.startswith("llama"):
         return _SplitLlama(pretrained) if kind == "llama_pretrained" else _SplitLlama(attn_implementation="eager")
+    if kind == "gpt_decoder":
+        return _SplitDecoderGPT()
     return _SplitGPT(causal=kind != "gpt_bidirectional", checkpointing=kind == "gpt_checkpointed")
 
 

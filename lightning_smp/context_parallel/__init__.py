@@ -6,12 +6,18 @@ attention meets it (``F.scaled_dot_product_attention`` during a step, Hugging Fa
 cp axis itself is the topology's; when a step splits and attends this way is the strategy's.
 """
 
-from lightning_smp.context_parallel.attention import HF_ATTENTION, SplitSequenceAttention, prepare_hugging_face
+from lightning_smp.context_parallel.attention import (
+    HF_ATTENTION,
+    SplitSequenceAttention,
+    attending_over_split_sequences,
+    prepare_hugging_face,
+)
 from lightning_smp.context_parallel.sequence import check_length, gather, positions, split, split_batch
 
 __all__ = [
     "HF_ATTENTION",
     "SplitSequenceAttention",
+    "attending_over_split_sequences",
     "check_length",
     "gather",
     "positions",

@@ -12,6 +12,8 @@ tensor-parallel attention, and hand-written models calling ``F.scaled_dot_produc
 
 from __future__ import annotations
 
+from collections.abc import Generator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,10 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
 
-from lightning_smp._compat import hf_attention_implementation
+from lightning_smp._compat import hf_attention_implementation, replaced_scaled_dot_product_attention
 from lightning_smp.context_parallel import ring, sequence
 
-__all__ = ["HF_ATTENTION", "SplitSequenceAttention", "prepare_hugging_face"]
+__all__ = ["HF_ATTENTION", "SplitSequenceAttention", "attending_over_split_sequences", "prepare_hugging_face"]
 
 HF_ATTENTION = "lightning_smp_context_parallel"
 """The name of our implementation in transformers' ``AttentionInterface``."""
@@ -81,6 +83,25 @@ class SplitSequenceAttention:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
         out = ring.attention(query, key, value, group=self.group, causal=causal, scale=scale, comm=self.comm)
         return out if batched else out.squeeze(0)  # (B, H, T/cp, D)
+
+
+@contextmanager
+def attending_over_split_sequences(
+    group: dist.ProcessGroup, comm: ring.Comm, *, check: str | None = None
+) -> Generator[SplitSequenceAttention, None, None]:
+    """`SplitSequenceAttention` over ``group`` standing in for ``F.scaled_dot_product_attention`` inside the block.
+    ``check`` names a step that must run attention: if the block ran none, it raises (the model would train on each
+    rank's chunks as if they were whole sequences)."""
+    attention = SplitSequenceAttention(group, comm)
+    with replaced_scaled_dot_product_attention(attention):
+        yield attention
+    if check is not None and attention.calls == 0:
+        raise ValueError(
+            f"context_parallel_degree={dist.get_world_size(group)}, but the model's {check} ran no attention "
+            "lightning_smp can split: it reaches nn.MultiheadAttention, nn.Transformer*Layer, "
+            "F.scaled_dot_product_attention and Hugging Face models. Use F.scaled_dot_product_attention "
+            "(is_causal=True for causal attention), or set context_parallel_degree=1."
+        )
 
 
 def _is_causal_mask(mask: Tensor, queries: int, keys: int) -> bool:
