@@ -149,6 +149,12 @@ class _SplitGPT(TinyGPT):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         return self.loss(batch)
 
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)  # the mean over the cp ranks: the whole sequences'
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*token_batches(seed=3, samples=BATCH)), batch_size=BATCH)
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
@@ -205,9 +211,17 @@ def _fit(model: pl.LightningModule, strategy_kwargs: dict, *, save: str | None =
     recorder = _Losses()
     ckpt_path = trainer_kwargs.pop("ckpt_path", None)
     trainer = quiet_trainer(
-        SMPStrategy(**strategy_kwargs), devices=int(os.environ["WORLD_SIZE"]), callbacks=[recorder], **trainer_kwargs
+        SMPStrategy(**strategy_kwargs),
+        devices=int(os.environ["WORLD_SIZE"]),
+        callbacks=[recorder],
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=100,  # validation runs once, after fit, when asked
+        **trainer_kwargs,
     )
     trainer.fit(model, ckpt_path=ckpt_path)
+    # after fit, the validation loop over the split sequences (a second setup of the trained model)
+    validate = isinstance(model, _SplitGPT) and save is None and ckpt_path is None
+    val_loss = trainer.validate(model, verbose=False)[0]["val_loss"] if validate else None
     if save is not None:
         trainer.save_checkpoint(save)
     optimizer = trainer.strategy.optimizers[0]
@@ -218,6 +232,7 @@ def _fit(model: pl.LightningModule, strategy_kwargs: dict, *, save: str | None =
         "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()} if whole else None,
         "skipped": optimizer.skipped_steps.item() if hasattr(optimizer, "skipped_steps") else 0.0,
         "scale": optimizer.loss_scale if strategy_kwargs.get("fp16") else None,
+        "val_loss": val_loss,
     }
 
 
@@ -230,6 +245,7 @@ _RUNS = {
         "cp2_bidirectional": ("gpt_bidirectional", _CP, 1, False, None),
         "cp2_decoder_layers": ("gpt_decoder", _CP, 1, False, None),
         "cp2_all_gather_checkpointed": ("gpt_checkpointed", {**_CP, "cp_comm_type": "all_gather"}, 1, False, None),
+        "cp2_checkpointed_offloaded": ("gpt_checkpointed", {**_CP, "offload_activations": True}, 1, False, None),
         "sdp2_cp2": (
             "gpt",
             {**_CP, "sharded_data_parallel_degree": 2, "sdp_param_persistence_threshold": 0},
@@ -257,6 +273,20 @@ _RUNS = {
         ),
         "pp2_cp2_fp16": ("gpt", {**_CP, **_FP16, "pipeline_parallel_degree": 2, "microbatches": 2}, 1, True, None),
         "dp2_cp2_zero1": ("gpt", {**_CP, "shard_optimizer_state": True}, 2, False, None),
+        "pp2_cp2_zero_bubble": (
+            "gpt",
+            {**_CP, "pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "zero_bubble"},
+            1,
+            False,
+            None,
+        ),
+        "pp2_cp2_simple": (
+            "gpt",
+            {**_CP, "pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "simple"},
+            1,
+            False,
+            None,
+        ),
     },
 }
 
@@ -338,6 +368,16 @@ def test_context_parallel_layouts_match_one_process(world, name):
     assert losses == pytest.approx(reference["losses"], rel=FP32_REL)
     if runs[-1]["weights"] is not None:  # every rank holds the whole model: its weights are the single run's
         _assert_weights(runs[-1]["weights"], reference["weights"])
+    if kind == "gpt":  # validation after fit: the trained weights' loss on the whole validation sequences
+        assert all(run["val_loss"] == pytest.approx(_validation_loss(reference), rel=FP32_REL) for run in runs)
+
+
+def _validation_loss(reference: dict) -> float:
+    model = _SplitGPT()
+    model.configure_model()
+    model.load_state_dict(reference["weights"])
+    with torch.no_grad():
+        return model.loss(next(iter(model.val_dataloader()))).item()
 
 
 def _assert_weights(actual: dict, expected: dict) -> None:

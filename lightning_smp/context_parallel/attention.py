@@ -93,8 +93,15 @@ def attending_over_split_sequences(
     ``check`` names a step that must run attention: if the block ran none, it raises (the model would train on each
     rank's chunks as if they were whole sequences)."""
     attention = SplitSequenceAttention(group, comm)
-    with replaced_scaled_dot_product_attention(attention):
-        yield attention
+    # In evaluation without grad, nn.MultiheadAttention and nn.TransformerEncoderLayer take torch's fused "fast
+    # path", which attends without F.scaled_dot_product_attention (over this rank's chunks only): turned off here.
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with replaced_scaled_dot_product_attention(attention):
+            yield attention
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
     if check is not None and attention.calls == 0:
         raise ValueError(
             f"context_parallel_degree={dist.get_world_size(group)}, but the model's {check} ran no attention "
