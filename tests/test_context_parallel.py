@@ -264,6 +264,7 @@ _RUNS = {
     },
     4: {
         "cp4": ("gpt", {"context_parallel_degree": 4}, 1, False, None),
+        "cp2_tp2": ("gpt", {**_CP, "tensor_parallel_degree": 2}, 2, False, None),  # each tp rank reads its own
         "cp2_tp2_sp": (
             "gpt",
             {**_CP, "tensor_parallel_degree": 2, "sequence_parallel": True, "prescaled_batch": True},
