@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_smp import SMPConfig, SMPStrategy, estimate_memory, smp
-from lightning_smp.context_parallel import ring, sequence
+from lightning_smp.context_parallel import prepare_hugging_face, ring, sequence
 from lightning_smp.topology import coordinates, rank_groups
 from tests.distributed import init_gloo, launch_once
 from tests.gpt import HEADS, SEQ, WIDTH, TinyGPT, TinyLlama, llama_config, token_batches
@@ -422,3 +422,13 @@ def test_what_context_parallelism_cannot_split_raises_at_the_first_step_naming_t
         assert "an attention mask of shape" in errors["padding"] and "is_causal=True" in errors["padding"]
         assert "ran no attention lightning_smp can split" in errors["no attention"]
         assert "set context_parallel_degree=1" in errors["no attention"]
+
+
+def test_a_hugging_face_model_prepared_for_context_parallelism_still_generates_as_before_outside_a_step():
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(llama_config()).eval()
+    ids = token_batches(seed=3, samples=2)[0][:, :6]
+    before = llama.generate(ids, max_new_tokens=3, do_sample=False), llama(ids).logits
+    assert prepare_hugging_face(llama) == 1
+    assert torch.equal(llama.generate(ids, max_new_tokens=3, do_sample=False), before[0])
+    torch.testing.assert_close(llama(ids).logits, before[1])

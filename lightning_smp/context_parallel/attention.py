@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from lightning_smp._compat import hf_attention_implementation, replaced_scaled_dot_product_attention
 from lightning_smp.context_parallel import ring, sequence
@@ -134,9 +135,17 @@ def _hugging_face_attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[Tensor, None]:
-    """transformers' attention-interface signature over ``F.scaled_dot_product_attention`` (our ring during a step
-    of context parallelism, torch's otherwise): (B, H, T, D) in, (B, T, H, D) out. transformers builds no mask for
-    an implementation it does not know, so causality comes from the module, as its ``sdpa`` takes it."""
+    """transformers' attention-interface signature over our ring during a step of context parallelism, and over
+    transformers' own ``sdpa`` outside one (e.g. generation after training): (B, H, T, D) in, (B, T, H, D) out.
+    transformers builds no mask for an implementation it does not know, so causality comes from the module, as its
+    ``sdpa`` takes it; a padding mask is not honoured (``set_attn_implementation("sdpa")`` before generating with
+    one)."""
+    if not isinstance(F.scaled_dot_product_attention, SplitSequenceAttention):
+        kwargs.pop("is_causal", None)
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=causal, **kwargs
+        )
     if attention_mask is not None:
         raise ValueError(
             "a Hugging Face attention mask reached attention under context parallelism, which honours no mask but "
