@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -60,6 +61,9 @@ except ImportError:  # run as `python benchmarks/sequence_parallel.py` without t
 SIZES: dict[str, dict[str, int]] = {
     "smoke": {"vocab": 256, "width": 32, "heads": 4, "kv_heads": 2, "ff": 64, "layers": 4, "seq": 16, "batch": 4},
     "time": {"vocab": 8192, "width": 512, "heads": 8, "kv_heads": 4, "ff": 1536, "layers": 4, "seq": 512, "batch": 2},
+    # benchmarks/context_parallel.py: a sequence of 4,096 tokens, attention-bound (a small vocabulary and width)
+    "long": {"vocab": 1024, "width": 256, "heads": 4, "kv_heads": 2, "ff": 1024, "layers": 2, "seq": 4096, "batch": 1},
+    "long_smoke": {"vocab": 256, "width": 32, "heads": 4, "kv_heads": 2, "ff": 64, "layers": 2, "seq": 64, "batch": 1},
     "full": {
         "vocab": 32000,
         "width": 1024,
@@ -81,6 +85,9 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "pp2": PP2,
     "pp2xtp2": {**PP2, "tensor_parallel_degree": 2},
     "pp2xtp2+sp": {**PP2, "tensor_parallel_degree": 2, "sequence_parallel": True},
+    "tp2+sp-shared": {"tensor_parallel_degree": 2, "sequence_parallel": True, "prescaled_batch": True},
+    "cp2": {"context_parallel_degree": 2},
+    "cp4": {"context_parallel_degree": 4},
     "torch-tp2": {},  # Lightning's ModelParallelStrategy, torch's plan
     "torch-tp2+sp": {},
 }
@@ -316,7 +323,8 @@ def devices(layout: str) -> int:
     if layout.startswith("torch-"):
         return 2
     kwargs = LAYOUTS[layout]
-    return kwargs.get("pipeline_parallel_degree", 1) * kwargs.get("tensor_parallel_degree", 1)
+    degrees = ("pipeline_parallel_degree", "tensor_parallel_degree", "context_parallel_degree")
+    return math.prod(kwargs.get(degree, 1) for degree in degrees)
 
 
 def _by_devices(layouts: list[str]) -> list[list[str]]:

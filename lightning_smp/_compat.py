@@ -60,7 +60,10 @@ __all__ = [
     "ddp_kwargs",
     "device_constructors",
     "dump_checkpoint",
+    "flash_attention_cuda",
+    "flash_attention_cuda_backward",
     "flash_attention_for_cpu",
+    "flash_attention_for_cpu_backward",
     "flatten_dense_tensors",
     "flatten_mesh",
     "foreach_clamp_max_",
@@ -70,6 +73,7 @@ __all__ = [
     "foreach_norm",
     "foreach_zero_",
     "forward_redirection",
+    "hf_attention_implementation",
     "hf_missing_keys_moved_by",
     "install_sigterm_hooks",
     "installed_version",
@@ -81,6 +85,7 @@ __all__ = [
     "parameter_table",
     "replace_scheduler_methods",
     "replaced_log",
+    "replaced_scaled_dot_product_attention",
     "route_last_checkpoint",
     "scheduler_state_without",
     "set_metric_step_value",
@@ -180,6 +185,42 @@ flash_attention_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for
 """``(query, key, value, dropout_p, is_causal, *, attn_mask, scale)`` → ``(output, logsumexp)``: the fused attention
 kernel ``F.scaled_dot_product_attention`` picks, whose meta version shows what it keeps for backward (the memory
 planner counts it instead of the math fallback torch takes on the meta device)."""
+
+flash_attention_for_cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+"""``(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask, scale)`` → ``(grad_query,
+grad_key, grad_value)``: the CPU flash kernel's backward, which takes the output and logsumexp of the whole row (a
+ring of blocks passes the merged ones, so each block's gradients are its share of the whole attention's)."""
+
+flash_attention_cuda = torch.ops.aten._scaled_dot_product_flash_attention
+"""``(query, key, value, dropout_p, is_causal, return_debug_mask, *, scale)`` → ``(output, logsumexp, cum_seq_q,
+cum_seq_k, max_q, max_k, philox_seed, philox_offset, debug_mask)``: the CUDA flash kernel (torch 2.13)."""
+
+flash_attention_cuda_backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
+"""``(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+philox_seed, philox_offset, *, scale)`` → ``(grad_query, grad_key, grad_value)``: its backward (torch 2.13)."""
+
+
+@contextmanager
+def replaced_scaled_dot_product_attention(replacement: Callable[..., Tensor]) -> Generator[None, None, None]:
+    """``torch.nn.functional.scaled_dot_product_attention`` is ``replacement`` inside the block. It is a public
+    function, but replacing it is reaching into torch: ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``),
+    transformers' ``sdpa`` attention and models calling ``F.scaled_dot_product_attention`` look it up in
+    ``torch.nn.functional`` at each call, so the replacement reaches all of them. torch 2.13's own
+    ``context_parallel`` does the same (its ``_DispatchMode.MONKEY_PATCH``, the default); a ``TorchFunctionMode`` does
+    not see the call inside ``F.multi_head_attention_forward``, which runs with the modes popped."""
+    original = F.scaled_dot_product_attention
+    F.scaled_dot_product_attention = replacement
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def hf_attention_implementation(model: nn.Module) -> str | None:
+    """The attention implementation a transformers model runs (its config's ``_attn_implementation``: "sdpa",
+    "eager", a registered name); transformers 5.25 offers ``set_attn_implementation`` but no public reader."""
+    return getattr(model.config, "_attn_implementation", None)
+
 
 MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 """An ``nn.Module``'s three tables, as they appear in ``vars(module)``."""

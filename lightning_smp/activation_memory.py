@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from lightning_smp import activation_checkpointing, build, repeated_layers, smp
 from lightning_smp._compat import flash_attention_for_cpu, tree_map
 from lightning_smp.config import SMPConfig
+from lightning_smp.context_parallel.sequence import check_length
 from lightning_smp.pipeline.microbatch import split_batch
 from lightning_smp.precision import SMPPrecision
 from lightning_smp.repeated_layers import Cut, Handoffs
@@ -355,11 +356,16 @@ def example_batch(
 ) -> Any:
     """The batch to trace: ``batch`` on the meta device, resized to ``micro_batch_size`` x ``microbatches`` samples
     (dim 0 of every tensor) of ``sequence_length`` (dim 1 of every tensor that has one); without ``batch``, token
-    ids (``input_ids`` and ``labels``) for a Hugging Face transformers model when both sizes are given, else None."""
+    ids (``input_ids`` and ``labels``) for a Hugging Face transformers model when both sizes are given, else None.
+    Under context parallelism, one rank's part of it: dim 1 of every tensor with two or more dims over cp (the ring
+    keeps for backward what the fused kernel on that part keeps, and one logsumexp)."""
+    cp = config.context_parallel_degree
     if batch is None:
         if micro_batch_size is None or sequence_length is None or not hf_plan.is_transformers_model(model):
             return None
-        ids = torch.empty((micro_batch_size * config.microbatches, sequence_length), dtype=torch.long, device="meta")
+        check_length(sequence_length, cp)
+        shape = (micro_batch_size * config.microbatches, sequence_length // cp)
+        ids = torch.empty(shape, dtype=torch.long, device="meta")
         return {"input_ids": ids, "labels": ids}
 
     def resize(tensor: Any) -> Any:
@@ -370,6 +376,9 @@ def example_batch(
             shape[0] = micro_batch_size * config.microbatches
         if len(shape) > 1 and sequence_length is not None:
             shape[1] = sequence_length
+        if len(shape) > 1 and cp > 1:
+            check_length(shape[1], cp)
+            shape[1] //= cp
         return torch.empty(shape, dtype=tensor.dtype, device="meta")
 
     return tree_map(resize, batch)
@@ -435,7 +444,7 @@ def _layout(config: SMPConfig) -> Iterator[None]:
     if smp.state.initialized:
         yield
         return
-    with smp.preview(config, world_size=config.model_parallel_degree * config.sharded_data_parallel_degree):
+    with smp.preview(config, world_size=config.replica_parallel_degree * config.sharded_data_parallel_degree):
         yield
 
 

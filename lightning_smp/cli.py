@@ -11,8 +11,8 @@ LightningModule and LightningDataModule are given by class path; the current dir
 
 One subcommand is its own: ``estimate`` builds the config's LightningModule on the meta device (no memory, no
 processes), traces one microbatch of the config's data through it there, and prints what each rank of the
-configured layout would hold (`lightning_smp.memory`), with ``--devices`` the layouts that fit a device, with
-``--plot`` the chart:
+configured layout would hold (`lightning_smp.memory`), with ``--devices`` the layouts that fit a device (and with
+``--context-parallel`` the cp x dp layouts, each rank holding 1/cp of every sequence), with ``--plot`` the chart:
 
     lightning-smp estimate --config examples/configs/pp_tp_dp.yaml --device-memory 40GiB --devices 8 --plot m.png
 
@@ -111,6 +111,11 @@ def estimate(args: Sequence[str]) -> None:
     parser.add_argument(
         "--sequence-length", type=int, help="tokens per sample (resizes dim 1 of the data's batch tensors)"
     )
+    parser.add_argument(
+        "--context-parallel",
+        action="store_true",
+        help="with --devices: also list the context-parallel layouts (cp x dp), each rank 1/cp of every sequence",
+    )
     parser.add_argument("--plot", metavar="PATH", help="also draw the configured layout's memory per stage (PNG, SVG)")
     options = parser.parse_args(list(args))
     if options.devices is not None and options.device_memory is None:
@@ -148,6 +153,8 @@ def estimate(args: Sequence[str]) -> None:
     if options.devices is not None:
         measured = report.ranks[0].activations is not None
         _print_fitting_layouts(blueprint, config, options, activations, measured=measured)
+        if measured and options.context_parallel:
+            _print_context_parallel_layouts(blueprint, config, options, activations)
 
 
 def _first_batch(cli: LightningCLI) -> Any:
@@ -185,6 +192,8 @@ def _print_fitting_layouts(
 ) -> None:
     """The layouts of ``options.devices`` devices that fit, each tensor-parallel degree built from ``blueprint``."""
 
+    config = dataclasses.replace(config, context_parallel_degree=1)  # cp layouts: `_print_context_parallel_layouts`
+
     def build(tp: int) -> pl.LightningModule:
         layout = dataclasses.replace(config, tensor_parallel_degree=tp, pipeline_parallel_degree=1, partition=None)
         return _build_on_meta(copy.deepcopy(blueprint), layout, tp)
@@ -201,6 +210,34 @@ def _print_fitting_layouts(
         return
     print(f"\nLayouts of {options.devices} device(s) that fit {size} per device, smallest model-parallel degree first:")
     print(memory.layouts_table(fitting))
+
+
+def _print_context_parallel_layouts(
+    blueprint: pl.LightningModule, config: SMPConfig, options: argparse.Namespace, activations: dict[str, Any]
+) -> None:
+    """The context-parallel layouts (cp x dp, no pipeline or tensor parallelism) of ``options.devices`` devices: each
+    rank holds the whole model and 1/cp of every sequence (`memory.estimate_memory` traces that part)."""
+    base = dataclasses.replace(config, pipeline_parallel_degree=1, tensor_parallel_degree=1, partition=None)
+    rows = []
+    for cp in (degree for degree in range(2, options.devices + 1) if options.devices % degree == 0):
+        layout = dataclasses.replace(base, context_parallel_degree=cp)
+        try:
+            model = _build_on_meta(copy.deepcopy(blueprint), layout, cp)
+            report = memory.estimate_memory(
+                model, config=layout, world_size=options.devices, device_memory=options.device_memory, **activations
+            )
+        except ValueError:
+            continue  # the sequence does not split into 2 x cp chunks
+        largest = report.largest
+        rows.append(
+            f"| {cp} | {options.devices // cp} | {memory.format_bytes(largest.activations or 0)} | "
+            f"{memory.format_bytes(largest.total)} | {'yes' if report.fits else 'no'} |"
+        )
+    if not rows:
+        return
+    print(f"\nContext-parallel layouts of {options.devices} device(s) (docs/long-context.md), whole model per rank:")
+    print("| cp | dp | activations | largest rank | fits |\n| ---: | ---: | ---: | ---: | --- |")
+    print("\n".join(rows))
 
 
 def _build_on_meta(module: pl.LightningModule, config: SMPConfig, world_size: int) -> pl.LightningModule:

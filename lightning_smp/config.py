@@ -39,8 +39,14 @@ _OWN_FIELDS = frozenset(
         "tensor_parallel_plan",
         "sequence_parallel",
         "async_checkpoint",
+        "context_parallel_degree",
+        "cp_comm_type",
     }
 )
+_CP_COMM_TYPES = ("p2p", "all_gather")
+# lightning_smp settings named as smp v2 names them: accepted in an smp_options ``parameters`` dict too (an smp v2
+# job's), though smp v1 had none, so `SMPConfig.as_smp_parameters` (smp v1's ``smp.state.cfg``) leaves them out
+_SMP_V2_NAMES = frozenset({"context_parallel_degree"})
 TENSOR_PARALLEL_STYLES = (
     "colwise",
     "rowwise",
@@ -111,6 +117,7 @@ _INT_MINIMUMS: dict[str, tuple[int, str]] = {
     "virtual_stages": (1, "the trunk chunks each pipeline rank runs; 1 means one chunk per stage"),
     "pipeline_parallel_degree": (1, "the number of pipeline stages; 1 means no pipelining"),
     "tensor_parallel_degree": (1, "the number of ranks each tensor-parallel layer is split over"),
+    "context_parallel_degree": (1, "the number of ranks each sequence is split over; 1 means no context parallelism"),
     "microbatches": (1, "the number of pieces each batch is split into; 1 means no pipelining"),
     "activation_loading_horizon": (0, "how many checkpointed modules' offloaded inputs are loaded back ahead"),
     "sharded_data_parallel_degree": (1, "1 means no sharded data parallelism"),
@@ -154,6 +161,14 @@ class SMPConfig:
     """Number of pipeline stages the model is split into (smp's old name: ``partitions``)."""
     tensor_parallel_degree: int = 1
     """Number of ranks each tensor-parallel layer is split over."""
+    context_parallel_degree: int = 1
+    """lightning_smp (smp v2's name; smp v1 had none): number of ranks each sequence is split over (context
+    parallelism). The ranks of a context-parallel group read the same batch; the strategy gives each rank two
+    chunks of every sequence (chunks r and 2·cp−1−r of 2·cp, so causal attention costs every rank the same), and
+    attention runs over the whole sequence by passing keys and values around the group (``cp_comm_type``).
+    Parameters are replicated over the group and gradients reduced over data × context parallel ranks. Sequence
+    lengths must be multiples of 2 × context_parallel_degree; a model that computes its own positions reads them
+    from ``smp.cp_positions`` (docs/long-context.md)."""
     microbatches: int = 1
     """Pieces each batch is split into for pipelining; the batch size must be divisible by it."""
     pipeline: str = "interleaved"
@@ -168,8 +183,9 @@ class SMPConfig:
     defaults to "speed" (its docs table says "memory")."""
     placement_strategy: str = "cluster"
     """Order of the parallel dimensions over global ranks: "cluster" (= "DPT"), "spread" (= "TPD") or any
-    order of the letters D (data), P (pipeline), T (tensor); the right-most letter varies fastest, so it lands
-    on neighbouring ranks. Normalised to lower case for the names, upper case for the letters."""
+    order of the letters D (data), P (pipeline), T (tensor), optionally with C (context; without it C sits just
+    left of T); the right-most letter varies fastest, so it lands on neighbouring ranks. Normalised to lower case
+    for the names, upper case for the letters."""
     auto_partition: bool = True
     """Balance the pipeline stages automatically; if False, ``default_partition`` or ``partition`` decides."""
     default_partition: int | None = None
@@ -283,6 +299,11 @@ class SMPConfig:
     ``smp.tensor_parallelism()`` and of the plan of a Hugging Face transformers model created tensor-parallel
     (``model.tp_plan``), whose entries for the same modules it overrides; a pattern that matches no module raises
     when training starts."""
+    cp_comm_type: str = "p2p"
+    """lightning_smp (smp v2's ``cp_comm_type``): how attention sees the whole sequence under context parallelism:
+    "p2p" passes key/value blocks around the context-parallel ranks in a ring, each rank holding two blocks at a
+    time; "all_gather" gathers every rank's keys and values at once (fewer, larger messages; the whole sequence's
+    keys and values on every rank), for short rings."""
     sequence_parallel: bool = False
     """lightning_smp: with tensor_parallel_degree > 1, the layers lightning_smp splits (nn.TransformerEncoderLayer,
     nn.TransformerDecoderLayer, the decoder layers of a Hugging Face model split by its own plan) keep 1/tp of the
@@ -316,6 +337,7 @@ class SMPConfig:
         _require_choice("pipeline", self.pipeline, _PIPELINES)
         _require_choice("optimize", self.optimize, _OPTIMIZE)
         _require_choice("ddp_dist_backend", self.ddp_dist_backend, _DDP_BACKENDS)
+        _require_choice("cp_comm_type", self.cp_comm_type, _CP_COMM_TYPES)
         if self.ddp and self.horovod:
             raise ValueError(
                 "ddp=True and horovod=True name two data-parallel backends, which smp refused; drop horovod (a "
@@ -432,6 +454,11 @@ class SMPConfig:
         return self.pipeline_parallel_degree * self.tensor_parallel_degree
 
     @property
+    def replica_parallel_degree(self) -> int:
+        """Ranks that are not data-parallel replicas of each other's data: pipeline × tensor × context parallel."""
+        return self.model_parallel_degree * self.context_parallel_degree
+
+    @property
     def resolved_active_microbatches(self) -> int:
         """``active_microbatches``, or smp's default min(pipeline_parallel_degree + 2, microbatches)."""
         if self.active_microbatches is not None:
@@ -440,7 +467,8 @@ class SMPConfig:
 
     @property
     def placement_order(self) -> str:
-        """``placement_strategy`` as three letters of D/P/T, slowest-varying first ("cluster" -> "DPT")."""
+        """``placement_strategy`` as letters of D/P/T (and C when given), slowest-varying first ("cluster" -> "DPT");
+        `topology.placement_letters` places C when it is absent."""
         return _NAMED_PLACEMENTS.get(self.placement_strategy, self.placement_strategy)
 
     @property
@@ -456,6 +484,14 @@ class SMPConfig:
         """Number of model replicas in a job of ``world_size`` ranks; raises when the degrees do not fit."""
         _require_int("world_size", world_size, 1, meaning="the number of processes in the job")
         pp, tp, mp = self.pipeline_parallel_degree, self.tensor_parallel_degree, self.model_parallel_degree
+        cp = self.context_parallel_degree
+        if cp > 1 and world_size % (mp * cp):
+            fitting = max(d for d in range(1, cp + 1) if world_size % (mp * d) == 0) if world_size % mp == 0 else 1
+            raise ValueError(
+                f"pipeline_parallel_degree={pp} × tensor_parallel_degree={tp} × context_parallel_degree={cp} = "
+                f"{mp * cp} does not divide the world size {world_size}; pick degrees whose product divides "
+                f"{world_size} (for example context_parallel_degree={fitting})."
+            )
         if world_size % mp:
             good_pp, good_tp = _fitting_degrees(world_size, pp, tp)
             raise ValueError(
@@ -464,14 +500,15 @@ class SMPConfig:
                 f"pipeline_parallel_degree={good_pp}, tensor_parallel_degree={good_tp} → data parallel "
                 f"degree {world_size // (good_pp * good_tp)})"
             )
-        dp = world_size // mp
+        dp = world_size // (mp * cp)
         sdp = self.sharded_data_parallel_degree
-        if dp % sdp:
-            fitting = max(d for d in range(1, min(sdp, dp) + 1) if dp % d == 0)
+        if (dp * cp) % sdp:
+            fitting = max(d for d in range(1, min(sdp, dp * cp) + 1) if (dp * cp) % d == 0)
+            context = f" × context_parallel_degree={cp}" if cp > 1 else ""
             raise ValueError(
-                f"sharded_data_parallel_degree={sdp} does not divide the data-parallel degree {dp} (world size "
-                f"{world_size} / (pipeline_parallel_degree={pp} × tensor_parallel_degree={tp})); pick a divisor of "
-                f"{dp}, for example sharded_data_parallel_degree={fitting}."
+                f"sharded_data_parallel_degree={sdp} does not divide the data-parallel degree {dp * cp} (world size "
+                f"{world_size} / (pipeline_parallel_degree={pp} × tensor_parallel_degree={tp}){context}); pick a "
+                f"divisor of {dp * cp}, for example sharded_data_parallel_degree={fitting}."
             )
         return dp
 
@@ -506,7 +543,9 @@ class SMPConfig:
     def from_smp_options(cls, options: Mapping[str, Any], **overrides: Any) -> SMPConfig:
         """Build from SageMaker's ``smp_options`` as pasted (``{"enabled": True, "parameters": {...}}``) or
         from its inner parameters dict; ``overrides`` are further field values and win over the dict."""
-        sources = _sources.smp_parameters(options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS)
+        sources = _sources.smp_parameters(
+            options, source="smp_options", smp_names=_SMP_NAMES, own_names=_OWN_FIELDS - _SMP_V2_NAMES
+        )
         sources.fields.update(_sources.canonical(overrides, source="keyword arguments", accepted=_FIELD_NAMES))
         return cls._from(sources)
 
@@ -556,7 +595,7 @@ class SMPConfig:
 
 
 _FIELD_NAMES = frozenset(field.name for field in dataclasses.fields(SMPConfig))
-_SMP_NAMES = _FIELD_NAMES - _OWN_FIELDS
+_SMP_NAMES = (_FIELD_NAMES - _OWN_FIELDS) | _SMP_V2_NAMES
 
 
 def _rebuild(values: dict[str, Any]) -> SMPConfig:
@@ -584,11 +623,12 @@ def _normalise_placement(value: object) -> str:
     if isinstance(value, str):
         if value.lower() in _NAMED_PLACEMENTS:
             return value.lower()
-        if sorted(value.upper()) == ["D", "P", "T"]:
+        if sorted(value.upper()) in (["D", "P", "T"], ["C", "D", "P", "T"]):
             return value.upper()
     raise ValueError(
         f"placement_strategy={value!r} is invalid; use 'cluster' (= 'DPT'), 'spread' (= 'TPD') or another "
-        "order of the three letters D, P, T such as 'PDT' (the right-most letter varies fastest over ranks)."
+        "order of the three letters D, P, T such as 'PDT' (the right-most letter varies fastest over ranks), "
+        "optionally with C (context parallel) among them, such as 'DPCT'."
     )
 
 

@@ -457,7 +457,7 @@ class ShardedMasters:
                 "The run of this sharded optimizer has ended and its process groups are gone: its masters live on "
                 "the data-parallel replicas. Build a new optimizer in the next run (`configure_optimizers`)."
             )
-        return topology.group("dp")
+        return topology.group(topology.replica_axis)
 
 
 def single_device(params: Sequence[Tensor]) -> torch.device:

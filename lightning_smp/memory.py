@@ -233,7 +233,8 @@ def estimate_memory(
 
     ``model`` is the model as built (a LightningModule after ``configure_model``), ideally on the meta device
     (``with torch.device("meta"):``), which costs no memory. ``config`` is an `SMPConfig` or the `SMPStrategy`
-    keyword arguments (``smp_options`` included); ``world_size`` defaults to the model-parallel degree (dp = 1).
+    keyword arguments (``smp_options`` included); ``world_size`` defaults to the model-parallel degree times the
+    context-parallel degree (dp = 1). Under context parallelism the activations are one rank's part of the sequences.
     ``device_memory`` (bytes, or text such as ``"40GiB"``) adds the verdict whether the largest rank fits.
 
     The activations are measured on ``batch``: one training batch of one data-parallel replica, as the dataloader
@@ -244,7 +245,7 @@ def estimate_memory(
     ``fits`` is None and the report says why.
     """
     config = SMPConfig.of(config)
-    world_size = config.model_parallel_degree if world_size is None else world_size
+    world_size = config.replica_parallel_degree if world_size is None else world_size
     dp = config.data_parallel_degree(world_size)
     layout = Layout(
         config.pipeline_parallel_degree,

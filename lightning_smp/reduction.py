@@ -51,7 +51,8 @@ default ``bucket_cap_mb=25``, small enough that the first buckets' collectives s
 
 @dataclass(frozen=True)
 class ReductionPlan:
-    """How one run's gradients reach agreement over the data-parallel replicas (``topology.group(axis)``).
+    """How one run's gradients reach agreement over the data-parallel replicas (``topology.group(axis)``: "dp", or
+    "dp_cp" under context parallelism, whose ranks hold the same parameters and train on parts of one batch).
 
     ``mechanism``: ``"none"`` (one replica), ``"ddp"`` (`DistributedDataParallel` wraps the model),
     ``"pipeline"`` (the pipeline engine all-reduces at the last step of an accumulation), ``"reduce_scatter"``
@@ -98,7 +99,8 @@ class ReductionPlan:
 def plan_reduction(config: SMPConfig, topology: Topology) -> ReductionPlan:
     """The run's `ReductionPlan`: FSDP2 under sharded data parallelism; nothing with one replica; otherwise ZeRO-1's
     reduce-scatter with sharded optimizer state, the engine's all-reduce under pipeline parallelism, else DDP."""
-    replicas = topology.size("dp")
+    axis = topology.replica_axis  # under context parallelism dp x cp: the cp ranks hold the same parameters
+    replicas = topology.size(axis)
     if config.sharded_data_parallel_degree > 1:
         mechanism: Mechanism = "fsdp2"
     elif replicas == 1:
@@ -110,7 +112,7 @@ def plan_reduction(config: SMPConfig, topology: Topology) -> ReductionPlan:
     else:
         mechanism = "ddp"
     scatter_by_all_reduce = mechanism == "reduce_scatter" and not collectives.native(topology.mesh.device_type)
-    return ReductionPlan(mechanism=mechanism, replicas=replicas, scatter_by_all_reduce=scatter_by_all_reduce)
+    return ReductionPlan(mechanism=mechanism, replicas=replicas, axis=axis, scatter_by_all_reduce=scatter_by_all_reduce)
 
 
 def buckets(tensors: Sequence[Tensor], *, max_bytes: float = BUCKET_BYTES) -> list[list[Tensor]]:

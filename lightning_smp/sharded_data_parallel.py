@@ -45,7 +45,8 @@ def shard(model: nn.Module, *, units: Sequence[nn.Module], topology: Topology, c
     if isinstance(model, FSDPModule):
         return  # sharded by an earlier fit/validate of the same model
     if not any(param.is_meta for param in model.parameters()):
-        sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+        group = topology.group(topology.replica_axis)
+        sync_module_states(model, group, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
     policy = MixedPrecisionPolicy(param_dtype=config.half_dtype, reduce_dtype=torch.float32)
     # One mesh description for every whole parameter: FSDP2 groups a unit's parameters by it (torch 2.13's
     # per-parameter mesh, `fully_shard(shard_placement_fn=...)`; the types are documented there, not exported).

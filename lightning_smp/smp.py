@@ -23,11 +23,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_smp import activation_checkpointing as _activation_checkpointing
 from lightning_smp import checkpoint as _checkpoint
 from lightning_smp.config import SMPConfig
+from lightning_smp.context_parallel import sequence as cp_sequence
 from lightning_smp.delayed_init import deferred_init
 from lightning_smp.pipeline import partition as _placement
 from lightning_smp.tensor_parallel import creation as _tp_creation
@@ -53,6 +55,9 @@ __all__ = [
     "allgather",
     "barrier",
     "broadcast",
+    "cp_positions",
+    "cp_rank",
+    "cp_size",
     "delay_param_initialization",
     "dp_barrier",
     "dp_rank",
@@ -106,7 +111,7 @@ __all__ = [
 ]
 
 # smp's axis names → our topology's (smp's dp includes the tp ranks; its rdp is our dp)
-_AXES = {"dp": "dp_tp", "rdp": "dp", "pp": "pp", "tp": "tp", "mp": "mp", "world": "world"}
+_AXES = {"dp": "dp_tp", "rdp": "dp", "pp": "pp", "tp": "tp", "cp": "cp", "mp": "mp", "world": "world"}
 _COUNTED = (*_AXES, "local")  # what a record gives a rank and a size for
 
 
@@ -119,7 +124,7 @@ class RunRecord:
     config: SMPConfig
     """The run's config, ``smp.state.cfg``."""
     ranks: Mapping[str, int]
-    """This rank's index on each smp axis ("world", "local", "dp", "rdp", "pp", "tp", "mp")."""
+    """This rank's index on each smp axis ("world", "local", "dp", "rdp", "pp", "tp", "cp", "mp")."""
     sizes: Mapping[str, int]
     """The number of ranks on each of those axes."""
     group: Callable[[str], dist.ProcessGroup] | None = None
@@ -197,7 +202,11 @@ def preview(config: SMPConfig | Mapping[str, Any], *, world_size: int) -> Genera
     config = SMPConfig.of(config)
     dp = config.data_parallel_degree(world_size)
     layout = rank_groups(
-        config.placement_order, dp=dp, pp=config.pipeline_parallel_degree, tp=config.tensor_parallel_degree
+        config.placement_order,
+        dp=dp,
+        pp=config.pipeline_parallel_degree,
+        tp=config.tensor_parallel_degree,
+        cp=config.context_parallel_degree,
     )
     groups = {axis: next(group for group in layout[ours] if 0 in group) for axis, ours in _AXES.items()}
     previous = _record
@@ -374,6 +383,24 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _axis_size("tp")
+
+
+def cp_rank() -> int:
+    """This rank's index in its context-parallel group (smp v2's ``cp_rank``)."""
+    return _axis_rank("cp")
+
+
+def cp_size() -> int:
+    """The context-parallel degree: ranks each sequence is split over (smp v2's ``cp_size``)."""
+    return _axis_size("cp")
+
+
+def cp_positions(local_length: int, device: torch.device | None = None) -> Tensor:
+    """The global positions of this rank's ``local_length`` tokens, (local_length,): what a model that computes
+    its own positions (a position embedding, rotary angles) uses in place of ``torch.arange(local_length)``. Under
+    context parallelism each rank holds two chunks of every sequence (its head chunk r and tail chunk 2·cp−1−r);
+    without it, ``arange(local_length)``. Hugging Face models need nothing: the strategy gives them position ids."""
+    return cp_sequence.positions(local_length, cp=cp_size(), rank=cp_rank(), device=device)
 
 
 def mp_rank() -> int:

@@ -43,7 +43,15 @@ from torch.optim import Optimizer
 from torchmetrics import Metric
 from typing_extensions import override
 
-from lightning_smp import build, data_position, fault_tolerance, preemption, tensor_parallel, tp_batches
+from lightning_smp import (
+    build,
+    context_parallel,
+    data_position,
+    fault_tolerance,
+    preemption,
+    tensor_parallel,
+    tp_batches,
+)
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
 from lightning_smp import topology as topology_builder
@@ -108,6 +116,7 @@ class SMPStrategy(DDPStrategy):
         *,
         pipeline_parallel_degree: int = 1,
         tensor_parallel_degree: int = 1,
+        context_parallel_degree: int = 1,
         microbatches: int = 1,
         pipeline: str = "interleaved",
         optimize: str = "speed",
@@ -145,6 +154,7 @@ class SMPStrategy(DDPStrategy):
         partition: list[int] | None = None,
         virtual_stages: int = 1,
         tensor_parallel_plan: dict[str, str] | None = None,
+        cp_comm_type: str = "p2p",
         sequence_parallel: bool = False,
         async_checkpoint: bool = False,
         smp_options: dict[str, Any] | None = None,
@@ -171,6 +181,7 @@ class SMPStrategy(DDPStrategy):
         self._checked_batches: set[str] = set()  # the steps whose first batch `tp_batches.check_batches` compared
         self._data_positioned = False  # whether this fit's training loader was set at the resumed batch
         route_last_checkpoint(_newest_checkpoint_for_smp)  # `ckpt_path="last"`: the newest complete checkpoint
+        self._attending_steps: set[str] = set()  # the steps seen to run attention under context parallelism
         self.failed = False
         """Whether the last fit/validate/test ended in an exception (then the process groups stay at exit)."""
         super().__init__(
@@ -252,6 +263,7 @@ class SMPStrategy(DDPStrategy):
             device_type=self.root_device.type,
             timeout=strategy_timeout(self),
             sdp=config.sharded_data_parallel_degree,
+            cp=config.context_parallel_degree,
         )
         plugin = self.precision_plugin
         self._reduction = plan_reduction(config, self._topology)
@@ -296,6 +308,8 @@ class SMPStrategy(DDPStrategy):
         # (delayed initialisation); parallelise it before Lightning converts its precision, moves it and builds the
         # optimizers over what each rank keeps.
         self.model = self._parallelize(self.model)
+        if self.topology.cp > 1:
+            context_parallel.prepare_hugging_face(self.model)
         self._checked_batches.clear()  # each run's loops check their first batch again
         self._data_positioned = False
         _reduce_metrics_over_replicas(self.model, self.topology)
@@ -349,16 +363,23 @@ class SMPStrategy(DDPStrategy):
         ctx = torch.cuda.stream(torch.cuda.Stream()) if device_ids is not None else nullcontext()
         with ctx:
             return DistributedDataParallel(
-                module=model, device_ids=device_ids, process_group=self.topology.group("dp"), **ddp_kwargs(self)
+                module=model,
+                device_ids=device_ids,
+                process_group=self.topology.group(self._reduction.axis),
+                **ddp_kwargs(self),
             )
 
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         """Reduce over the data-parallel replicas by default: tensor and pipeline ranks hold copies of the same
-        samples' values, so including them would count each sample several times."""
+        samples' values, so including them would count each sample several times. Under context parallelism the
+        replicas' context-parallel ranks too: each holds its part of the sequences (a loss's mean over them is the
+        mean over the whole sequences)."""
         if not isinstance(tensor, Tensor):
             return tensor
-        return sync_ddp_if_available(tensor, group or self.topology.group("dp"), reduce_op=reduce_op)
+        return sync_ddp_if_available(
+            tensor, group or self.topology.group(self.topology.replica_axis), reduce_op=reduce_op
+        )
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
@@ -373,6 +394,13 @@ class SMPStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         args, own = self._tp_group_batch("training_step", args)
+        args = self._split_sequence(args)
+        with self._split_sequence_attention("training_step"):
+            output = self._training_step(args, kwargs)
+        self._log_loss_scale()
+        return own(output)
+
+    def _training_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if self._pipeline is None:
             output = self._unpipelined_step("training_step", args, kwargs)
         else:
@@ -386,34 +414,40 @@ class SMPStrategy(DDPStrategy):
                 ),
                 sync=not self._grad_sync_blocked,
             )
-        self._log_loss_scale()
-        return own(output)
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         args, own = self._tp_group_batch("validation_step", args)
-        if self._pipeline is None:
-            return own(self._unpipelined_step("validation_step", args, kwargs))
-        return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step")))
+        args = self._split_sequence(args)
+        with self._split_sequence_attention("validation_step"):
+            if self._pipeline is None:
+                return own(self._unpipelined_step("validation_step", args, kwargs))
+            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step")))
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         args, own = self._tp_group_batch("test_step", args)
-        if self._pipeline is None:
-            return own(self._unpipelined_step("test_step", args, kwargs))
-        return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step")))
+        args = self._split_sequence(args)
+        with self._split_sequence_attention("test_step"):
+            if self._pipeline is None:
+                return own(self._unpipelined_step("test_step", args, kwargs))
+            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step")))
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         args, own = self._tp_group_batch("predict_step", args)
-        if self._pipeline is None:
-            return own(self._unpipelined_step("predict_step", args, kwargs))
-        return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step")))
+        args = self._split_sequence(args)
+        with self._split_sequence_attention("predict_step"):
+            if self._pipeline is None:
+                return own(self._unpipelined_step("predict_step", args, kwargs))
+            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step")))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if self._pipeline is None:
-            with self._reduce_during_backward(optimizer):
+            # Activation checkpointing recomputes attention during backward: it must run over the split sequence too.
+            with self._reduce_during_backward(optimizer), self._split_sequence_attention("backward"):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran every microbatch's backward inside training_step (as DeepSpeed's engine does); the
         # gradients it kept aside join `.grad` here, after Lightning's zero_grad, and are all-reduced.
@@ -475,6 +509,29 @@ class SMPStrategy(DDPStrategy):
             return args, _whole
         combined = tp_batches.combine(args[0], group=self.topology.group("tp"))
         return (combined.batch, *args[1:]), combined.own
+
+    def _split_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """Under context parallelism, the step's batch (``args[0]``, the same on every rank of a context-parallel
+        group) cut to this rank's chunks of every sequence (`context_parallel.split_batch`)."""
+        topology = self.topology
+        if topology.cp == 1 or not args:
+            return args
+        return (context_parallel.split_batch(args[0], cp=topology.cp, rank=topology.rank("cp")), *args[1:])
+
+    @contextmanager
+    def _split_sequence_attention(self, name: str) -> Generator[None, None, None]:
+        """Under context parallelism, attention over the whole split sequence for a step (or its backward); the first
+        of each kind of step must have run attention (`context_parallel.attending_over_split_sequences`)."""
+        topology = self.topology
+        if topology.cp == 1:
+            yield
+            return
+        check = name if name != "backward" and name not in self._attending_steps else None
+        with context_parallel.attending_over_split_sequences(
+            topology.group("cp"), self._config.cp_comm_type, check=check
+        ):
+            yield
+        self._attending_steps.add(name)
 
     def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not self._reduction.sharded_parameters:
@@ -677,17 +734,20 @@ def _whole(output: Any) -> Any:
 def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
     """Make torchmetrics sync over the data-parallel group, as `SMPStrategy.reduce` does: by default a ``Metric``
     syncs over the whole job, where tensor/pipeline ranks would count the same samples again."""
-    if topology.size("dp") == topology.world_size:
+    axis = topology.replica_axis
+    if topology.size(axis) == topology.world_size:
         return
     for module in model.modules():
         if isinstance(module, Metric) and module.process_group is None:
-            module.process_group = topology.group("dp")
+            module.process_group = topology.group(axis)
 
 
 def _sync_over_replicas(model: torch.nn.Module, topology: Topology) -> None:
-    """Broadcast the first data-parallel replica's parameters and buffers to the others (what DDP does)."""
-    if topology.size("dp") > 1 and topology.sdp == 1:  # sharded: `sharded_data_parallel.shard` syncs, then shards
-        sync_module_states(model, topology.group("dp"), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
+    """Broadcast the first data-parallel replica's parameters and buffers to the others (what DDP does); under
+    context parallelism to the replicas' context-parallel ranks too (they hold the same parameters)."""
+    axis = topology.replica_axis
+    if topology.size(axis) > 1 and topology.sdp == 1:  # sharded: `sharded_data_parallel.shard` syncs, then shards
+        sync_module_states(model, topology.group(axis), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
 
 
 # name, description, init params

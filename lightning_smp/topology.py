@@ -1,4 +1,4 @@
-"""The rank layout dp x pp x tp and every process group of a run.
+"""The rank layout dp x pp x tp x cp and every process group of a run.
 
 Owns: where each rank sits in the data / pipeline / tensor grid (pure functions over ints), and the one
 ``build`` that creates the DeviceMesh and all process groups. No other module calls ``init_device_mesh`` or
@@ -21,24 +21,27 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_smp._compat import flatten_mesh, set_process_group_timeout, unflatten_mesh
 
-__all__ = ["AXES", "Topology", "build", "coordinates", "rank_groups"]
+__all__ = ["AXES", "Topology", "build", "coordinates", "placement_letters", "rank_groups"]
 
 log = logging.getLogger(__name__)
 
-AXES = ("dp", "pp", "tp", "mp", "dp_tp", "embedding", "world")
+AXES = ("dp", "pp", "tp", "cp", "mp", "dp_tp", "dp_cp", "embedding", "world")
 """Every axis a ``Topology`` answers for; see ``rank_groups`` for what each one means."""
 
-_LETTER_AXIS = {"D": "dp", "P": "pp", "T": "tp"}
+_LETTER_AXIS = {"D": "dp", "P": "pp", "T": "tp", "C": "cp"}
 _ALIASES = {"cluster": "DPT", "spread": "TPD"}
-# The grid dims each axis spans; "mp" and "dp_tp" are sub-meshes flattened into one group each.
-_AXIS_LETTERS = {"dp": "D", "pp": "P", "tp": "T", "mp": "PT", "dp_tp": "DT", "world": "DPT"}
+# The grid dims each axis spans; "mp", "dp_tp" and "dp_cp" are sub-meshes flattened into one group each.
+_AXIS_LETTERS = {"dp": "D", "pp": "P", "tp": "T", "cp": "C", "mp": "PT", "dp_tp": "DT", "dp_cp": "DC", "world": "DPTC"}
+_FLAT_AXES = ("mp", "dp_tp", "dp_cp")
 
 
-def rank_groups(order: str, *, dp: int, pp: int, tp: int) -> dict[str, list[list[int]]]:
+def rank_groups(order: str, *, dp: int, pp: int, tp: int, cp: int = 1) -> dict[str, list[list[int]]]:
     """Global ranks of every group on every axis, following smp's ``placement_strategy``.
 
-    ``order`` is "cluster" (= "DPT"), "spread" (= "TPD") or any permutation of "D", "P", "T". The left-most
-    letter varies slowest and the right-most letter fastest, i.e. its groups live on neighbouring ranks (smp):
+    ``order`` is "cluster" (= "DPT"), "spread" (= "TPD") or any permutation of "D", "P", "T", optionally with
+    "C" (context parallelism) among them; without it, C sits just left of T (the cp ranks of one tp rank are
+    neighbours after the tp ranks, as Megatron's order tp-cp-dp-pp puts them). The left-most letter varies
+    slowest and the right-most letter fastest, i.e. its groups live on neighbouring ranks (smp):
     ``rank = (c0 * n1 + c1) * n2 + c2`` for coordinates ``c`` and degrees ``n`` taken in that order.
 
     Axes (each maps to a list of groups; every group is sorted, and a rank's position in its group is its rank
@@ -47,9 +50,11 @@ def rank_groups(order: str, *, dp: int, pp: int, tp: int) -> dict[str, list[list
     - ``dp``: true data-parallel replicas (same pp and tp coordinate; smp's ``rdp``).
     - ``pp``: the pipeline stages of one replica's tp slice.
     - ``tp``: the tensor-parallel shards of one stage.
-    - ``mp``: pp x tp, all ranks holding one model replica (smp's ``mp`` group).
-    - ``dp_tp``: dp x tp, all ranks of one pipeline stage (smp's own ``dp`` group: each tp rank reads its own
-      batch in smp, so smp counts it as data parallel).
+    - ``cp``: the context-parallel ranks that split one batch's sequence (same dp, pp and tp coordinate).
+    - ``mp``: pp x tp, all ranks holding different parts of one model replica (smp's ``mp`` group).
+    - ``dp_tp``: dp x tp, the ranks of one stage that read different batches (smp's own ``dp`` group: each tp
+      rank reads its own batch in smp, so smp counts it as data parallel); the cp ranks read the same one.
+    - ``dp_cp``: dp x cp, every rank holding the same parameters: the group the gradients are reduced over.
     - ``embedding``: for each (dp, tp) the ranks of stage 0 and stage pp - 1, which hold tied embedding / head
       weights; one rank per group when pp == 1. Ranks of middle stages belong to no embedding group.
     - ``world``: all ranks.
@@ -68,7 +73,7 @@ def rank_groups(order: str, *, dp: int, pp: int, tp: int) -> dict[str, list[list
     With pp 4 x tp 2 under "DPT" (rank = pp*2 + tp) the pp groups are [0, 2, 4, 6] [1, 3, 5, 7] and the
     embedding groups [0, 6] [1, 7]; ranks 2..5 are in none.
     """
-    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp)
+    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp, cp=cp)
     all_coords = list(product(*(range(degrees[letter]) for letter in letters)))  # row-major == rank order
     groups: dict[str, list[list[int]]] = {}
     for axis, members in _AXIS_LETTERS.items():
@@ -81,21 +86,23 @@ def rank_groups(order: str, *, dp: int, pp: int, tp: int) -> dict[str, list[list
     return {axis: groups[axis] for axis in AXES}
 
 
-def coordinates(rank: int, order: str, *, dp: int, pp: int, tp: int) -> dict[str, int]:
-    """``rank``'s place in the grid, e.g. ``{"dp": 1, "pp": 0, "tp": 1}``; the inverse of ``rank_groups``."""
-    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp)
-    world_size = dp * pp * tp
+def coordinates(rank: int, order: str, *, dp: int, pp: int, tp: int, cp: int = 1) -> dict[str, int]:
+    """``rank``'s place in the grid, e.g. ``{"dp": 1, "pp": 0, "tp": 1, "cp": 0}``; the inverse of ``rank_groups``."""
+    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp, cp=cp)
+    world_size = dp * pp * tp * cp
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} is outside the job: dp={dp} x pp={pp} x tp={tp} has ranks 0..{world_size - 1}")
+        raise ValueError(
+            f"rank={rank} is outside the job: dp={dp} x pp={pp} x tp={tp} x cp={cp} has ranks 0..{world_size - 1}"
+        )
     coords = {}
     for letter in reversed(letters):  # the right-most letter varies fastest
         rank, coords[_LETTER_AXIS[letter]] = divmod(rank, degrees[letter])
-    return {axis: coords[axis] for axis in ("dp", "pp", "tp")}
+    return {axis: coords[axis] for axis in ("dp", "pp", "tp", "cp")}
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class Topology:
-    """This rank's view of the dp x pp x tp grid and its process groups. Create it with ``build``.
+    """This rank's view of the dp x pp x tp x cp grid and its process groups. Create it with ``build``.
 
     Objects that use the groups during a run but must not keep them alive after it (the optimizer) hold a weak
     reference: the groups are freed once the strategy drops its topology (`fault_tolerance.close_process_groups`).
@@ -108,20 +115,28 @@ class Topology:
     tp: int
     """Tensor-parallel degree: shards per stage."""
     order: str
-    """Placement order as letters ("DPT", "TPD", ...), never an alias."""
+    """Placement order as letters ("DPCT", "CTPD", ...: C placed as `rank_groups` places it), never an alias."""
     global_rank: int
     """This process's rank in the default group."""
     mesh: DeviceMesh = field(repr=False)
-    """The 3-D mesh, dims named "dp", "pp", "tp" in placement order."""
+    """The 4-D mesh, dims named "dp", "pp", "tp", "cp" in placement order."""
     _meshes: Mapping[str, DeviceMesh] = field(repr=False)
     _embedding_group: ProcessGroup | None = field(repr=False)
     sdp: int = 1
     """Sharded-data-parallel degree: ranks of the data-parallel axis one parameter is sharded over (1: none)."""
     _sharding_meshes: Mapping[str, DeviceMesh] = field(default_factory=lambda: MappingProxyType({}), repr=False)
+    cp: int = 1
+    """Context-parallel degree: ranks one sequence is split over (1: none)."""
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.tp * self.cp
+
+    @property
+    def replica_axis(self) -> str:
+        """The axis of the ranks holding the same parameters, over which gradients are reduced: "dp", or "dp_cp"
+        under context parallelism (its ranks train on parts of the same sequences with the same weights)."""
+        return "dp_cp" if self.cp > 1 else "dp"
 
     @property
     def is_first_stage(self) -> bool:
@@ -171,7 +186,15 @@ class Topology:
 
 
 def build(
-    *, dp: int, pp: int, tp: int, order: str, device_type: str, timeout: timedelta | None = None, sdp: int = 1
+    *,
+    dp: int,
+    pp: int,
+    tp: int,
+    order: str,
+    device_type: str,
+    timeout: timedelta | None = None,
+    sdp: int = 1,
+    cp: int = 1,
 ) -> Topology:
     """Create the DeviceMesh and every process group of the run.
 
@@ -180,31 +203,32 @@ def build(
     ``timeout`` applies to every group made here, as to the default group: torch would otherwise give the
     subgroups its own default (30 minutes on gloo), and a rank stuck in a tp or pp collective would outwait it.
     ``sdp`` (sharded data parallelism) splits the dp axis into shard groups of ``sdp`` neighbouring dp ranks
-    (see ``Topology.sharding_mesh``); it must divide ``dp``.
+    (see ``Topology.sharding_mesh``); it must divide ``dp`` x ``cp`` (the ranks of ``Topology.replica_axis``).
     """
     if not dist.is_initialized():
         raise RuntimeError(
             "topology.build needs the default process group; call torch.distributed.init_process_group first "
             "(SMPStrategy.setup_environment does this)."
         )
-    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp)
+    letters, degrees = _layout(order, dp=dp, pp=pp, tp=tp, cp=cp)
     world_size = dist.get_world_size()
-    if dp * pp * tp != world_size:
+    if dp * pp * tp * cp != world_size:
         raise ValueError(
-            f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp}, but the job has world_size={world_size}. The "
-            f"degrees must multiply to the number of processes: launch {dp * pp * tp} processes or pick "
+            f"dp={dp} x pp={pp} x tp={tp} x cp={cp} = {dp * pp * tp * cp}, but the job has world_size={world_size}. "
+            f"The degrees must multiply to the number of processes: launch {dp * pp * tp * cp} processes or pick "
             f"degrees whose product is {world_size}."
         )
     names = tuple(_LETTER_AXIS[letter] for letter in letters)
     mesh = init_device_mesh(device_type, tuple(degrees[letter] for letter in letters), mesh_dim_names=names)
     meshes = {name: mesh[name] for name in names}
-    for flat_name in ("mp", "dp_tp"):
+    for flat_name in _FLAT_AXES:
         # torch 2.13 slices only in the root's dim order, and slicing a flattened dim from the root mesh is
         # deprecated: slice in placement order and keep the flattened mesh ourselves.
         dims = tuple(_LETTER_AXIS[letter] for letter in letters if letter in _AXIS_LETTERS[flat_name])
         meshes[flat_name] = flatten_mesh(mesh[dims], flat_name)
-    sharding_meshes = _sharding_meshes(meshes["dp"], dp=dp, sdp=sdp)
-    layout = rank_groups(letters, dp=dp, pp=pp, tp=tp)
+    replica_axis = "dp_cp" if cp > 1 else "dp"
+    sharding_meshes = _sharding_meshes(meshes[replica_axis], dp=dp * cp, sdp=sdp)
+    layout = rank_groups(letters, dp=dp, pp=pp, tp=tp, cp=cp)
     if pp <= 2:
         # Stage 0 and stage pp-1 are the whole pipeline group: reuse it rather than open another communicator.
         embedding_group = meshes["pp"].get_group()
@@ -221,6 +245,7 @@ def build(
         _embedding_group=embedding_group,
         sdp=sdp,
         _sharding_meshes=MappingProxyType(sharding_meshes),
+        cp=cp,
     )
     _check_groups(topology, layout)
     if timeout is not None:
@@ -228,15 +253,17 @@ def build(
         groups = [*(mesh.get_group() for mesh in meshes.values()), embedding_group, *sharding_groups]
         for group in {id(g): g for g in groups if g is not None}.values():
             set_process_group_timeout(timeout, group)
+    where = coordinates(topology.global_rank, letters, dp=dp, pp=pp, tp=tp, cp=cp)
     log.info(
-        "lightning_smp topology: dp=%d pp=%d tp=%d order=%s world_size=%d; rank %d is %s",
+        "lightning_smp topology: dp=%d pp=%d tp=%d cp=%d order=%s world_size=%d; rank %d is %s",
         dp,
         pp,
         tp,
+        cp,
         letters,
         world_size,
         topology.global_rank,
-        " ".join(f"{axis}={c}" for axis, c in coordinates(topology.global_rank, letters, dp=dp, pp=pp, tp=tp).items()),
+        " ".join(f"{axis}={c}" for axis, c in where.items()),
     )
     return topology
 
@@ -255,15 +282,25 @@ def _sharding_meshes(dp_mesh: DeviceMesh, *, dp: int, sdp: int) -> dict[str, Dev
     return {"sharded": sharded, "whole": unflatten_mesh(dp_mesh, 0, (dp, 1), ("sdp_whole_replicate", "sdp_whole"))}
 
 
-def _layout(order: str, *, dp: int, pp: int, tp: int) -> tuple[str, dict[str, int]]:
-    """Validate the arguments; return the order as letters ("DPT") and the degrees keyed by letter."""
+def placement_letters(order: str) -> str:
+    """``order`` as four letters: an alias resolved, and C (context parallelism) placed just left of T when absent
+    ("DPT" -> "DPCT", "TPD" -> "CTPD"); raises for anything but a permutation of D, P, T (and C)."""
     letters = _ALIASES.get(order, order)
-    if sorted(letters) != ["D", "P", "T"]:
+    if sorted(letters) == ["D", "P", "T"]:
+        letters = letters.replace("T", "CT")
+    if sorted(letters) != ["C", "D", "P", "T"]:
         raise ValueError(
             f"placement order {order!r} is not valid; use 'cluster' (= 'DPT'), 'spread' (= 'TPD') or another "
-            "permutation of the letters D, P, T (right-most letter = neighbouring ranks)."
+            "permutation of the letters D, P, T, optionally with C (context parallel) among them (right-most letter "
+            "= neighbouring ranks)."
         )
-    degrees = {"dp": dp, "pp": pp, "tp": tp}
+    return letters
+
+
+def _layout(order: str, *, dp: int, pp: int, tp: int, cp: int = 1) -> tuple[str, dict[str, int]]:
+    """Validate the arguments; return the order as letters ("DPCT") and the degrees keyed by letter."""
+    letters = placement_letters(order)
+    degrees = {"dp": dp, "pp": pp, "tp": tp, "cp": cp}
     for axis, degree in degrees.items():
         if isinstance(degree, bool) or not isinstance(degree, int) or degree < 1:
             raise ValueError(f"{axis}={degree!r} is not a valid degree; every degree must be an integer >= 1.")
@@ -286,6 +323,6 @@ def _check_groups(topology: Topology, layout: dict[str, list[list[int]]]) -> Non
         if actual != expected:
             raise ValueError(
                 f"the {axis!r} group of rank {rank} holds ranks {actual}, but order={topology.order} with "
-                f"dp={topology.dp} pp={topology.pp} tp={topology.tp} needs {expected}. This is a bug in "
-                "lightning_smp.topology; please report it with these numbers."
+                f"dp={topology.dp} pp={topology.pp} tp={topology.tp} cp={topology.cp} needs {expected}. This is a "
+                "bug in lightning_smp.topology; please report it with these numbers."
             )

@@ -87,7 +87,7 @@ def check_batches(batch: Any, *, topology: Topology, prescaled_batch: bool) -> N
     mine = _fingerprint(batch)
     everyone: list[Any] = [None] * topology.world_size
     dist.all_gather_object(everyone, mine)  # sync: once per loop
-    groups = rank_groups(topology.order, dp=topology.dp, pp=topology.pp, tp=topology.tp)["tp"]
+    groups = rank_groups(topology.order, dp=topology.dp, pp=topology.pp, tp=topology.tp, cp=topology.cp)["tp"]
     for ranks in groups:
         prints = [everyone[rank] for rank in ranks]
         if prescaled_batch:

@@ -149,6 +149,19 @@ def test_sequence_parallel_times_ours_and_torchs_plan_on_the_same_llama(tmp_path
     assert all(len(row["cpu_seconds_per_repeat"]) == row["repeats"] == 1 for row in rows)
 
 
+@pytest.mark.timeout(400)  # two launches (one and two ranks) of a tiny GPT; cp4 only adds a launch
+def test_context_parallel_counts_each_layouts_bytes_and_cpu_against_one_device(tmp_path: Path) -> None:
+    out = tmp_path / "cp.json"
+    layouts = ("--layouts", "1,cp2,tp2+sp-shared")
+    run_benchmark(
+        "context_parallel.py", "--size", "long_smoke", "--steps", "1", *layouts, "--out", str(out), timeout=360
+    )
+    rows = {row["layout"]: row for row in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["1", "cp2", "tp2+sp-shared"] and rows["1"]["bytes_of_one"] == 1.0
+    assert rows["cp2"]["saved_bytes_largest_rank"] < rows["1"]["saved_bytes_largest_rank"]
+    assert all(_positive(row["cpu_of_one"]) for row in rows.values())
+
+
 def test_load_pretrained_reports_each_rank_s_growth_while_loading(tmp_path: Path) -> None:
     out = tmp_path / "load.json"
     run_benchmark("load_pretrained.py", "--size", "smoke", "--layouts", "tp2", "--out", str(out))

@@ -177,7 +177,7 @@ def test_estimate_prints_the_configured_layout_and_the_layouts_that_fit(
     name: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(_ROOT)  # the configs name examples.gpt_char.GPTCharLM
-    sizes = ["--micro-batch-size", "8", "--sequence-length", "64"]
+    sizes = ["--micro-batch-size", "8", "--sequence-length", "64", "--context-parallel"]
     cli.main(
         ["estimate", "--config", str(_CONFIGS / f"{name}.yaml"), "--device-memory", "1GiB", "--devices", "8", *sizes]
     )
@@ -189,10 +189,14 @@ def test_estimate_prints_the_configured_layout_and_the_layouts_that_fit(
     # the tp layouts are built tensor-parallel (smp.tp_size() > 1 in configure_model, under smp.preview): tp=2 holds
     # about half of one device's model states per rank
     states = {}
-    for line in out.split("smallest model-parallel degree first:")[1].splitlines()[2:]:
+    for line in out.split("smallest model-parallel degree first:")[1].split("\n\n")[0].splitlines()[2:]:
         pp, tp, _dp, _optimizer_state, _, _, value, unit = line.split()[:8]
         states[(int(pp), int(tp))] = parse_bytes(value + unit)
     assert 0.45 < states[(1, 2)] / states[(1, 1)] < 0.6
+    # then the context-parallel layouts: the whole model per rank, 1/cp of every sequence's activations
+    listed = out.split("Context-parallel layouts of 8 device(s)")[1].splitlines()[3:]
+    activations = {int(row.split("|")[1]): parse_bytes(row.split("|")[3].replace(" ", "")) for row in listed}
+    assert sorted(activations) == [2, 4, 8] and 0.45 < activations[4] / activations[2] < 0.55
 
 
 def test_estimate_explains_what_it_needs(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

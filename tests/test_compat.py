@@ -207,6 +207,47 @@ def test_torch_flash_attention_for_cpu_keeps_the_output_and_a_logsumexp():
     assert output.shape == (2, 4, 8, 16) and logsumexp.shape == (2, 4, 8)
 
 
+def test_torch_flash_attention_kernels_and_backwards_the_ring_calls():
+    q, k, v = (torch.randn(1, 2, 4, 8, requires_grad=True) for _ in range(3))
+    output, logsumexp = _compat.flash_attention_for_cpu(q, k, v, 0.0, True, attn_mask=None, scale=None)
+    grad = torch.randn_like(output)
+    grads = _compat.flash_attention_for_cpu_backward(
+        grad, q, k, v, output, logsumexp, 0.0, True, attn_mask=None, scale=None
+    )
+    torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+    for mine, torchs in zip(grads, (q.grad, k.grad, v.grad), strict=True):
+        torch.testing.assert_close(mine, torchs)
+    cuda = [
+        str(op._schema) for op in (_compat.flash_attention_cuda.default, _compat.flash_attention_cuda_backward.default)
+    ]
+    assert "bool return_debug_mask=False, *, float? scale=None" in cuda[0]
+    assert "Tensor philox_seed, Tensor philox_offset, *, float? scale=None" in cuda[1]
+
+
+def test_torch_scaled_dot_product_attention_replaced_inside_multi_head_attention():
+    seen = []
+    original = torch.nn.functional.scaled_dot_product_attention
+
+    def replacement(*args, **kwargs):
+        seen.append(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
+        return original(*args, **kwargs)
+
+    layer = nn.TransformerEncoderLayer(8, 2, 16, 0.0, batch_first=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(4)
+    with _compat.replaced_scaled_dot_product_attention(replacement):
+        layer(torch.randn(2, 4, 8), src_mask=mask, is_causal=True)
+    assert seen == [True] and torch.nn.functional.scaled_dot_product_attention is original
+
+
+def test_transformers_attention_implementation_reader():
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2)
+    model = transformers.LlamaModel(config)
+    model.set_attn_implementation("eager")
+    assert _compat.hf_attention_implementation(model) == "eager"
+
+
 def test_torch_modules_and_their_tables():
     assert all(issubclass(c, _compat.BatchNormBase) for c in (nn.BatchNorm1d, nn.BatchNorm2d, nn.SyncBatchNorm))
     linear = nn.Linear(2, 3)

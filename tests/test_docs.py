@@ -46,6 +46,9 @@ _OWN_EQUIVALENTS = {
     "virtual_stages": "none: smp v1 ran one chunk per stage",
     "sequence_parallel": "none: smp v1 kept whole sequences in its tensor-parallel layers",
     "async_checkpoint": "none: smp v1 saved synchronously (smp v2 2.5.0 has asynchronous checkpoints)",
+    "context_parallel_degree": 'smp v2\'s `parameters["context_parallel_degree"]` (accepted in `smp_options`); none '
+    "in smp v1",
+    "cp_comm_type": "smp v2's `torch.sagemaker.transform(cp_comm_type=...)`; none in smp v1",
 }
 
 
@@ -321,7 +324,7 @@ _GROUPS = {
     "Model creation and memory": "Building the model (`configure_model`, delayed initialisation), activation "
     "checkpointing and memory estimates.",
     "Tensor parallelism": "What tensor parallelism splits (`smp.model_creation`, `smp.set_tensor_parallelism`, "
-    "`tensor_parallel_plan`) and what the split layers take.",
+    "`tensor_parallel_plan`) and what the split layers take; the sequences context parallelism splits.",
     "Pipeline parallelism": "Where the model is cut into stages, how a batch splits into microbatches, and what a "
     "pipelined step may do.",
     "Precision and loss scaling": "fp16 / bf16 parameters with fp32 master weights, the loss scale and the "
@@ -364,6 +367,7 @@ _GROUP_OF_PATH = {
     "tensor_parallel/": "Tensor parallelism",
     "placement.py": "Tensor parallelism",
     "tp_batches.py": "Tensor parallelism",
+    "context_parallel/": "Tensor parallelism",  # the sequence split across ranks, and attention over it
     "pipeline/": "Pipeline parallelism",
     "precision.py": "Precision and loss scaling",
     "loss_scaler.py": "Precision and loss scaling",

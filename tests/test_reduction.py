@@ -12,7 +12,7 @@ from lightning_smp.reduction import backward_buckets, buckets, plan_reduction
 
 def _topology(*, dp: int, pp: int = 1, device_type: str = "cpu") -> SimpleNamespace:
     mesh = SimpleNamespace(device_type=device_type)
-    return SimpleNamespace(pp=pp, mesh=mesh, size=lambda axis: {"dp": dp, "pp": pp}[axis])
+    return SimpleNamespace(pp=pp, mesh=mesh, replica_axis="dp", size=lambda axis: {"dp": dp, "pp": pp}[axis])
 
 
 @pytest.mark.parametrize(
@@ -70,3 +70,14 @@ def test_zero1_reduce_scatters_on_gloo_inside_native_on_cpu_as_on_nccl():
         assert collectives.native("cpu") and collectives.native(torch.device("cpu"))
     assert plan_reduction(sharded, _topology(dp=2)).scatter_by_all_reduce  # the block ended: gloo's all-reduce
     assert not collectives.native("cpu") and collectives.native("cuda")
+
+
+@pytest.mark.parametrize(
+    ("settings", "pp", "mechanism"), [({}, 1, "ddp"), ({"pipeline_parallel_degree": 2}, 2, "pipeline")]
+)
+def test_context_parallel_ranks_reduce_as_replicas(settings, pp, mechanism):
+    # one data-parallel replica split over two context-parallel ranks: the same parameters, gradients of two halves
+    sizes = {"dp": 1, "dp_cp": 2, "pp": pp}
+    topology = SimpleNamespace(pp=pp, mesh=SimpleNamespace(device_type="cpu"), replica_axis="dp_cp", size=sizes.get)
+    plan = plan_reduction(SMPConfig(context_parallel_degree=2, **settings), topology)
+    assert (plan.mechanism, plan.replicas, plan.axis) == (mechanism, 2, "dp_cp")

@@ -59,7 +59,10 @@ ORDERS = ["".join(letters) for letters in itertools.permutations("DPT")]
     ],
 )
 def test_worked_examples_world_8(order, expected):
-    assert rank_groups(order, dp=2, pp=2, tp=2) == expected
+    groups = rank_groups(order, dp=2, pp=2, tp=2)
+    assert groups.pop("cp") == [[rank] for rank in range(8)]  # no context parallelism: one rank per group
+    assert groups.pop("dp_cp") == groups["dp"]
+    assert groups == expected
 
 
 @pytest.mark.parametrize(("alias", "letters"), [("cluster", "DPT"), ("spread", "TPD")])
@@ -101,10 +104,10 @@ def test_coordinates_invert_the_layout(order, dp, pp, tp):
 
 
 def test_right_most_letter_is_neighbouring_ranks():
-    assert coordinates(1, "DPT", dp=2, pp=2, tp=2) == {"dp": 0, "pp": 0, "tp": 1}
-    assert coordinates(1, "TPD", dp=2, pp=2, tp=2) == {"dp": 1, "pp": 0, "tp": 0}
-    assert coordinates(1, "TDP", dp=2, pp=2, tp=2) == {"dp": 0, "pp": 1, "tp": 0}
-    assert coordinates(6, "DPT", dp=2, pp=2, tp=2) == {"dp": 1, "pp": 1, "tp": 0}
+    assert coordinates(1, "DPT", dp=2, pp=2, tp=2) == {"dp": 0, "pp": 0, "tp": 1, "cp": 0}
+    assert coordinates(1, "TPD", dp=2, pp=2, tp=2) == {"dp": 1, "pp": 0, "tp": 0, "cp": 0}
+    assert coordinates(1, "TDP", dp=2, pp=2, tp=2) == {"dp": 0, "pp": 1, "tp": 0, "cp": 0}
+    assert coordinates(6, "DPT", dp=2, pp=2, tp=2) == {"dp": 1, "pp": 1, "tp": 0, "cp": 0}
 
 
 @pytest.mark.parametrize(
@@ -140,7 +143,7 @@ def test_layout_errors(kwargs, match):
 
 
 def test_rank_outside_the_job():
-    with pytest.raises(ValueError, match=r"rank=8 is outside the job: dp=2 x pp=2 x tp=2 has ranks 0..7"):
+    with pytest.raises(ValueError, match=r"rank=8 is outside the job: dp=2 x pp=2 x tp=2 x cp=1 has ranks 0..7"):
         coordinates(8, "DPT", dp=2, pp=2, tp=2)
 
 
@@ -161,22 +164,22 @@ def _one_rank(rank):
     logger.removeHandler(handler)
 
     assert [r.getMessage() for r in records] == [
-        "lightning_smp topology: dp=1 pp=1 tp=1 order=DPT world_size=1; rank 0 is dp=0 pp=0 tp=0"
+        "lightning_smp topology: dp=1 pp=1 tp=1 cp=1 order=DPCT world_size=1; rank 0 is dp=0 pp=0 tp=0 cp=0"
     ]
     assert (topo.dp, topo.pp, topo.tp, topo.order, topo.world_size, topo.global_rank) == (
         1,
         1,
         1,
-        "DPT",
+        "DPCT",
         1,
         0,
     )
     assert topo.is_first_stage and topo.is_last_stage
-    assert topo.mesh.mesh_dim_names == ("dp", "pp", "tp")
+    assert topo.mesh.mesh_dim_names == ("dp", "pp", "cp", "tp")
     assert topo.group("world") is dist.group.WORLD
     for axis in AXES:
         assert (topo.size(axis), topo.rank(axis), topo.ranks(axis)) == (1, 0, [0]), axis
-    with pytest.raises(ValueError, match="unknown axis 'rdp'; valid axes are 'dp', 'pp', 'tp', 'mp'"):
+    with pytest.raises(ValueError, match="unknown axis 'rdp'; valid axes are 'dp', 'pp', 'tp', 'cp', 'mp'"):
         topo.group("rdp")
     with pytest.raises(dataclasses.FrozenInstanceError):
         topo.tp = 2
@@ -195,21 +198,21 @@ def test_world_1():
     assert run_distributed(_one_rank, 1, timeout=45) == [True]
 
 
-LAYOUTS_4 = [
-    (order, dp, pp, tp)
+LAYOUTS_4 = [  # (order, dp, pp, tp, cp)
+    (order, dp, pp, tp, 1)
     for order in ("cluster", "spread")
     for dp, pp, tp in [(1, 2, 2), (2, 1, 2), (2, 2, 1), (1, 4, 1)]
-]
+] + [("cluster", 1, 1, 2, 2), ("spread", 2, 1, 1, 2), ("DCPT", 1, 2, 1, 2)]
 
 
 def _four_ranks(rank, layouts):
     init_gloo()
-    with pytest.raises(ValueError, match=r"dp=2 x pp=2 x tp=2 = 8, but the job has world_size=4. .* launch 8"):
+    with pytest.raises(ValueError, match=r"dp=2 x pp=2 x tp=2 x cp=1 = 8, but the job has world_size=4. .* launch 8"):
         build(dp=2, pp=2, tp=2, order="cluster", device_type="cpu")
     observed = {}
     for layout in layouts:
-        order, dp, pp, tp = layout
-        topo = build(dp=dp, pp=pp, tp=tp, order=order, device_type="cpu")
+        order, dp, pp, tp, cp = layout
+        topo = build(dp=dp, pp=pp, tp=tp, cp=cp, order=order, device_type="cpu")
         axes = [axis for axis in AXES if axis != "embedding" or topo.is_first_stage or topo.is_last_stage]
         view = {}
         for axis in axes:
@@ -231,11 +234,11 @@ def four_ranks():
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("layout", LAYOUTS_4, ids=lambda layout: "-".join(map(str, layout)))
 def test_world_4_groups_match_the_layout(four_ranks, layout):
-    order, dp, pp, tp = layout
-    groups = rank_groups(order, dp=dp, pp=pp, tp=tp)
+    order, dp, pp, tp, cp = layout
+    groups = rank_groups(order, dp=dp, pp=pp, tp=tp, cp=cp)
     for rank, observed in enumerate(four_ranks):
         view, is_first, is_last = observed[layout]
-        coords = coordinates(rank, order, dp=dp, pp=pp, tp=tp)
+        coords = coordinates(rank, order, dp=dp, pp=pp, tp=tp, cp=cp)
         assert (is_first, is_last) == (coords["pp"] == 0, coords["pp"] == pp - 1)
         expected = {}
         for axis in AXES:
@@ -243,7 +246,7 @@ def test_world_4_groups_match_the_layout(four_ranks, layout):
             if group is not None:
                 expected[axis] = (len(group), group.index(rank), group, sum(group))
         assert view == expected, f"rank {rank}"
-        assert {axis: view[axis][1] for axis in ("dp", "pp", "tp")} == coords
+        assert {axis: view[axis][1] for axis in ("dp", "pp", "tp", "cp")} == coords
 
 
 def _group_timeouts(rank: int) -> list[float]:

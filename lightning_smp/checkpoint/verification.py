@@ -69,6 +69,7 @@ def describe_run(*, topology: Any, config: Any, precision: str) -> dict[str, Any
             "dp": topology.dp,
             "pp": topology.pp,
             "tp": topology.tp,
+            "cp": topology.cp,
             "order": topology.order,
             "world_size": topology.world_size,
         },
