@@ -378,7 +378,7 @@ _GROUP_OF_PATH = {
     "checkpoint.py": "Checkpoints",
     "checkpoint/": "Checkpoints",
     "consolidate_checkpoint.py": "Checkpoints",
-    "smp.py": "The smp API",
+    "smp/": "The smp API",
     "__init__.py": "The smp API",
     "cli.py": "Command line",
     "__main__.py": "Command line",
