@@ -216,12 +216,6 @@ def replaced_scaled_dot_product_attention(replacement: Callable[..., Tensor]) ->
         F.scaled_dot_product_attention = original
 
 
-def hf_attention_implementation(model: nn.Module) -> str | None:
-    """The attention implementation a transformers model runs (its config's ``_attn_implementation``: "sdpa",
-    "eager", a registered name); transformers 5.25 offers ``set_attn_implementation`` but no public reader."""
-    return getattr(model.config, "_attn_implementation", None)
-
-
 MODULE_TABLES = ("_parameters", "_buffers", "_modules")
 """An ``nn.Module``'s three tables, as they appear in ``vars(module)``."""
 
@@ -417,8 +411,7 @@ def scheduler_state_without(state: dict[str, Any], replaced: tuple[str, ...]) ->
 def hf_missing_keys_moved_by(wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Generator[bool, None, None]:
     """For the block, transformers' ``PreTrainedModel._move_missing_keys_from_meta_to_device`` (``from_pretrained``
     puts the keys a checkpoint lacks and the non-persistent buffers on the CPU with it, before initialising them)
-    replaced by ``wrap(that method)``; yields False, replacing nothing, where transformers has no such method.
-    """
+    replaced by ``wrap(that method)``; yields False, replacing nothing, where transformers has no such method."""
     from transformers import modeling_utils  # the package imports its submodules lazily
 
     model_class = modeling_utils.PreTrainedModel
@@ -437,3 +430,9 @@ HF_USE_KERNELS = "use_kernels"
 """``from_pretrained``'s keyword for Hugging Face hub kernels. transformers 5.25 turned them on by default (``None``
 means on unless ``USE_HUB_KERNELS`` says no), so a model loaded under delayed initialisation was kernelized while on
 the meta device; `delayed_init.huggingface` passes False."""
+
+
+def hf_attention_implementation(model: nn.Module) -> str | None:
+    """The attention implementation a transformers model runs (its config's ``_attn_implementation``: "sdpa",
+    "eager", a registered name); transformers 5.25 offers ``set_attn_implementation`` but no public reader."""
+    return getattr(model.config, "_attn_implementation", None)

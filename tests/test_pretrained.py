@@ -393,3 +393,13 @@ def test_a_new_default_failing_on_meta_names_transformers_version_and_the_fix(ch
     with deferred_init(), pytest.raises(PretrainedLoadingError, match=expected) as caught:
         transformers.AutoModelForCausalLM.from_pretrained(checkpoints["llama"])
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+def test_an_error_that_does_not_name_the_meta_device_passes_through(checkpoints, monkeypatch):
+    def fails(self, *args, **kwargs):
+        raise ValueError("the checkpoint's metadata lacks a format")
+
+    monkeypatch.setattr(transformers.PreTrainedModel, "set_use_kernels", fails)
+    with deferred_init(), pytest.raises(ValueError, match="metadata lacks") as caught:
+        transformers.LlamaForCausalLM.from_pretrained(checkpoints["llama"])
+    assert not isinstance(caught.value, PretrainedLoadingError)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -103,7 +104,7 @@ def _guarded_from_pretrained(model_class: type) -> Iterator[None]:
         try:
             return load(cls, *args, **kwargs)
         except (RuntimeError, ValueError, NotImplementedError, TypeError) as error:
-            if "meta" not in str(error):
+            if not re.search(r"\bmeta\b", str(error)):  # the meta device, not e.g. a file's "metadata"
                 raise
             version, tested = installed_version("transformers"), CHECKED_VERSIONS["transformers"]
             raise PretrainedLoadingError(
