@@ -418,30 +418,25 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, own = self._tp_group_batch("validation_step", args)
-        args = self._split_sequence(args)
-        with self._split_sequence_attention("validation_step"):
-            if self._pipeline is None:
-                return own(self._unpipelined_step("validation_step", args, kwargs))
-            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("validation_step")))
+        return self._evaluation_step("validation_step", args, kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, own = self._tp_group_batch("test_step", args)
-        args = self._split_sequence(args)
-        with self._split_sequence_attention("test_step"):
-            if self._pipeline is None:
-                return own(self._unpipelined_step("test_step", args, kwargs))
-            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("test_step")))
+        return self._evaluation_step("test_step", args, kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, own = self._tp_group_batch("predict_step", args)
+        return self._evaluation_step("predict_step", args, kwargs)
+
+    def _evaluation_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A validation, test or predict step: the tensor-parallel group's batch, this rank's part of the sequences
+        under context parallelism, then the step (through the pipeline's schedule when there is one)."""
+        args, own = self._tp_group_batch(name, args)
         args = self._split_sequence(args)
-        with self._split_sequence_attention("predict_step"):
+        with self._split_sequence_attention(name):
             if self._pipeline is None:
-                return own(self._unpipelined_step("predict_step", args, kwargs))
-            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function("predict_step")))
+                return own(self._unpipelined_step(name, args, kwargs))
+            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function(name)))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
