@@ -135,8 +135,8 @@ def newest_complete_checkpoint(trainer: pl.Trainer) -> str | None:
     """The newest complete checkpoint in `search_directories` (by the time its last file was written), or None
     with a note that training starts fresh. Complete: a sharded checkpoint with its meta file, which a save writes
     last and publishes by a rename (a half-written one has a hidden staging name), or a single file."""
-    candidates = {}
-    for directory in search_directories(trainer):
+    candidates, directories = {}, search_directories(trainer)
+    for directory in directories:
         if not directory.is_dir():
             continue
         for path in directory.glob("*.ckpt"):
@@ -147,7 +147,7 @@ def newest_complete_checkpoint(trainer: pl.Trainer) -> str | None:
     if not candidates:
         rank_zero_info(
             'lightning_smp: `ckpt_path="last"`: no checkpoint in '
-            f"{', '.join(str(d) for d in search_directories(trainer))}; training starts from the beginning."
+            f"{', '.join(str(d) for d in directories)}; training starts from the beginning."
         )
         return None
     newest = max(candidates, key=lambda path: (candidates[path], path.name))
