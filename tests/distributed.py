@@ -11,6 +11,7 @@ error, a rank that dies silently, or the timeout ends every rank and fails the t
 """
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -30,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_gloo", "launch_once", "run_benchmark", "run_distributed"]
+__all__ = ["init_gloo", "launch_once", "return_freed_memory_at_once", "run_benchmark", "run_distributed"]
 
 # What the fork server imports before it forks the first rank (each is imported by nearly every rank's target).
 # Nothing here may start a thread: the server forks, and a fork copies only the forking thread.
@@ -202,3 +203,14 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def return_freed_memory_at_once() -> None:
+    """Make a process's peak resident memory measure live tensors (call it in the rank before measuring): glibc
+    raises its mmap threshold after the first large free, and then keeps freed multi-MiB blocks in its heap, so a
+    peak would depend on what the process freed before."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+
+
+_M_MMAP_THRESHOLD = -3

@@ -7,11 +7,9 @@ matching part (its stage, its tensor-parallel shard) of an eager build with the 
 the single-device run, and the memory a rank reaches while setting up with what it keeps.
 """
 
-import ctypes
 import math
 import os
 import resource
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -24,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_smp import SMPStrategy
 from lightning_smp.materialization import materialize_kept
 from lightning_smp.tensor_parallel.shard import ShardSpec, shard_of, slice_shard
-from tests.distributed import run_distributed
+from tests.distributed import return_freed_memory_at_once, run_distributed
 from tests.models import quiet_trainer, small_cnn
 from tests.parity import single_device_run
 
@@ -181,7 +179,7 @@ def _fit(model_name: str, strategy: SMPStrategy | str, *, init_module: bool = Fa
 
 def _layouts(rank: int, layouts: dict) -> dict:
     torch.set_num_threads(1)
-    _return_freed_memory_at_once()
+    return_freed_memory_at_once()
     results = {}
     for name, (model_name, strategy_kwargs, options) in layouts.items():
         # every rank reads the same batches in order (no sampler): a tensor-parallel group reads one batch
@@ -190,14 +188,6 @@ def _layouts(rank: int, layouts: dict) -> dict:
     return results
 
 
-def _return_freed_memory_at_once() -> None:
-    """Make the peak resident memory measure live tensors: glibc raises its mmap threshold after the first large
-    free, and then keeps freed multi-MiB blocks (each whole tensor materialisation frees one) in its heap."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-
-
-_M_MMAP_THRESHOLD = -3
 _REFERENCES: dict = {}
 
 
