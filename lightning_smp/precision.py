@@ -1,15 +1,14 @@
 """SMPPrecision: the Lightning precision plugin for smp-style fp16/bf16 training with fp32 master weights.
 
-It owns where precision meets Lightning's loop: casting the module and the batch, scaling the loss in backward,
-wrapping optimizers in `MasterWeightOptimizer`, clipping the master grads, and keeping LR schedulers from
-stepping when an optimizer step was skipped (Lightning steps them anyway: issues #5558, #16228).
-The update itself lives in `optimizer.py`, the scale rule in `loss_scaler.py`.
-BatchNorm layers stay fp32 (as Apex's O2 did): their running statistics lose too much in fp16.
+It owns where precision meets Lightning's loop: it applies the run's `PrecisionRules` (casting the module and the
+batch, which optimizers get a `MasterWeightOptimizer`, what a backward starts from) in Lightning's hooks, clips the
+master grads, and keeps LR schedulers from stepping when an optimizer step was skipped (Lightning steps them anyway:
+issues #5558, #16228). The rules themselves are Lightning-free (`mixed_precision.py`), shared with the other doors.
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -19,32 +18,27 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.types import LRSchedulerConfig
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp._compat import BatchNormBase, after_closure, replace_scheduler_methods, scheduler_state_without
+from lightning_smp._compat import after_closure, replace_scheduler_methods, scheduler_state_without
 from lightning_smp.grad_vote import clip_grad_norm_counted
-from lightning_smp.master_shard import Masters, Run, ShardedMasters, WholeMasters
-from lightning_smp.optimizer import MasterWeightOptimizer, build_loss_scaler
+from lightning_smp.mixed_precision import LossScaling, PrecisionRules
+from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.reduction import ReductionPlan
-from lightning_smp.sharded_data_parallel import FSDPMasters
 
 if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
 __all__ = ["SMPPrecision"]
 
-LossScaling = Callable[..., Tensor]
-"""``(loss, divide_by=1) -> the tensor backward starts from`` (`SMPPrecision.loss_scaling`)."""
-
 # Lightning's names for the parameter dtype (what ModelSummary sizes parameters by); the masters are extra.
 _PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
 
 
 class SMPPrecision(Precision):
-    """fp16 or bf16 parameters with fp32 master weights; fp16 adds smp's loss scaling.
+    """fp16 or bf16 parameters with fp32 master weights; fp16 adds smp's loss scaling (`PrecisionRules`).
 
     Args:
         dtype: ``torch.float16``, ``torch.bfloat16``, or ``None`` for plain fp32 training.
@@ -71,27 +65,34 @@ class SMPPrecision(Precision):
             )
         self.dtype = dtype
         self.precision = _PRECISION_NAMES[dtype]  # type: ignore[assignment]
-        self._dynamic_loss_scale = dynamic_loss_scale
-        self._static_loss_scale = static_loss_scale
-        self._dynamic_loss_args = dict(dynamic_loss_args or {})
-        self._clip_norm = clip_norm
+        self._rules = PrecisionRules(
+            dtype,
+            dynamic_loss_scale=dynamic_loss_scale,
+            static_loss_scale=static_loss_scale,
+            dynamic_loss_args=dict(dynamic_loss_args or {}),
+            clip_norm=clip_norm,
+        )
         self._topology: Callable[[], Topology | None] = _no_topology
-        self.reduction = ReductionPlan()
-        """How the run reduces gradients over the replicas (`plan_reduction`), set by SMPStrategy with the
-        topology: it says where optimizers keep their masters (whole, ZeRO-1's share, FSDP2's shards) and whether
-        the module stays fp32 (FSDP2's sharded parameters are the masters and cast for compute)."""
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
 
+    def start_run(self, topology: Topology, reduction: ReductionPlan) -> None:
+        """The run's layout and how it reduces gradients (`plan_reduction`), from SMPStrategy before `connect`:
+        the reduction says where optimizers keep their masters and whether the module stays fp32 (FSDP2's sharded
+        parameters are the masters and cast for compute). The topology is held weakly, so that its process groups
+        are freed when the run ends."""
+        self._topology = weakref.ref(topology)
+        self._rules = dataclasses.replace(self._rules, reduction=reduction)
+
     @property
     def topology(self) -> Topology | None:
-        """The run's layout, set by SMPStrategy before `connect`; held weakly, so that its process groups are freed
-        when the run ends (None then, and outside a run)."""
+        """The run's layout (None outside a run)."""
         return self._topology()
 
-    @topology.setter
-    def topology(self, topology: Topology | None) -> None:
-        self._topology = weakref.ref(topology) if topology is not None else _no_topology
+    @property
+    def rules(self) -> PrecisionRules:
+        """The precision rules this plugin applies in Lightning's hooks."""
+        return self._rules
 
     @property
     def master_weight_optimizers(self) -> list[MasterWeightOptimizer]:
@@ -102,22 +103,11 @@ class SMPPrecision(Precision):
 
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
-        if self.dtype is None or self.reduction.sharded_parameters:
-            return module
-        module.to(self.dtype)
-        for layer in module.modules():
-            if isinstance(layer, BatchNormBase):
-                _keep_in_fp32(layer, self.dtype)
-        return module
+        return self._rules.convert_module(module)
 
     @override
     def convert_input(self, data: Any) -> Any:
-        if self.dtype is None:
-            return data
-        return apply_to_collection(data, function=self._to_half, dtype=Tensor)
-
-    def _to_half(self, tensor: Tensor) -> Tensor:
-        return tensor.to(self.dtype) if torch.is_floating_point(tensor) else tensor
+        return self._rules.convert_input(data)
 
     # -- optimizers ----------------------------------------------------------------------------------------
 
@@ -127,25 +117,7 @@ class SMPPrecision(Precision):
         ``scaler_settings`` (``dynamic_loss_scale``, ``static_loss_scale``, ``dynamic_loss_args``) override the
         plugin's, as ``smp.DistributedOptimizer`` passes them.
         """
-        if not self._wraps():
-            raise ValueError(
-                "fp32 training has no master weights; use fp16=True or bf16=True (or shard_optimizer_state=True with "
-                "more than one data-parallel replica) to wrap optimizers."
-            )
-        loss_scaler = None
-        if self.dtype == torch.float16:
-            loss_scaler = build_loss_scaler(
-                dynamic=scaler_settings.get("dynamic_loss_scale", self._dynamic_loss_scale),
-                static_scale=scaler_settings.get("static_loss_scale", self._static_loss_scale),
-                dynamic_args=scaler_settings.get("dynamic_loss_args", self._dynamic_loss_args),
-            )
-        wrapped = MasterWeightOptimizer(
-            optimizer,
-            loss_scaler=loss_scaler,
-            topology=self.topology,
-            masters=self._masters(),
-            clip_norm=self._clip_norm,
-        )
+        wrapped = self._rules.wrap_optimizer(optimizer, topology=self.topology, **scaler_settings)
         self._wrapped.append(wrapped)
         return wrapped
 
@@ -153,7 +125,7 @@ class SMPPrecision(Precision):
     def connect(
         self, model: nn.Module, optimizers: list[Optimizer], lr_schedulers: list[LRSchedulerConfig]
     ) -> tuple[nn.Module, list[Optimizer], list[LRSchedulerConfig]]:
-        if not self._wraps():
+        if not self._rules.wraps_optimizers:
             return model, optimizers, lr_schedulers
         optimizers = [opt if isinstance(opt, MasterWeightOptimizer) else self.wrap_optimizer(opt) for opt in optimizers]
         self._wrapped = [opt for opt in optimizers if isinstance(opt, MasterWeightOptimizer)]  # this run's
@@ -179,20 +151,12 @@ class SMPPrecision(Precision):
         model.backward(self.loss_scaling(optimizer)(tensor), *args, **kwargs)
 
     def loss_scaling(self, optimizer: Optimizable | None, *, accumulation: int = 1) -> LossScaling:
-        """The one rule of what a backward starts from: the loss in fp32, times the fp16 loss scale of
-        ``optimizer`` (a `MasterWeightOptimizer`, a Lightning wrapper of one, or None: the only one), divided by
-        ``accumulation`` × the call's ``divide_by``. Lightning's backward (above) takes it with both 1 (Lightning has
-        divided the loss by its accumulation count already); a pipelined step, whose backward runs inside
-        ``training_step`` before Lightning sees the loss, is handed it with ``accumulation`` and divides by its
-        microbatches. Without masters only the divisions apply."""
-        wrapped = self._optimizer_for_backward(optimizer)
-
-        def scaled(loss: Tensor, divide_by: int = 1) -> Tensor:
-            divisor = divide_by * accumulation
-            scale = wrapped.scale_tensor if wrapped is not None else None  # read at each call: it changes per step
-            return loss.float() * (scale / divisor if scale is not None else 1.0 / divisor)
-
-        return scaled
+        """What a backward starts from (`PrecisionRules.loss_scaling`) for ``optimizer`` (a `MasterWeightOptimizer`,
+        a Lightning wrapper of one, or None: the only one). Lightning's backward (above) takes it with
+        ``accumulation`` 1 (Lightning has divided the loss by its accumulation count already); a pipelined step,
+        whose backward runs inside ``training_step`` before Lightning sees the loss, is handed it with the
+        accumulation count and divides by its microbatches."""
+        return PrecisionRules.loss_scaling(self._optimizer_for_backward(optimizer), accumulation=accumulation)
 
     @override
     def post_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:
@@ -248,24 +212,6 @@ class SMPPrecision(Precision):
         for gate in self._scheduler_gates:
             gate.flush(wait=True)
 
-    def _masters(self) -> Callable[[list[Tensor], Run], Masters]:
-        """Where optimizers keep their masters, as the run's reduction plan has it."""
-        if self.reduction.sharded_parameters:
-            return FSDPMasters
-        if self.reduction.shards_masters:
-            return functools.partial(
-                ShardedMasters,
-                scatter_by_all_reduce=self.reduction.scatter_by_all_reduce,
-                bucket_bytes=self.reduction.bucket_bytes,
-            )
-        return WholeMasters
-
-    def _wraps(self) -> bool:
-        """Whether optimizers get a `MasterWeightOptimizer`: fp16/bf16 masters, masters other than the parameters
-        themselves (ZeRO-1's share, FSDP2's shards), or a step that clips by itself."""
-        whole = not (self.reduction.shards_masters or self.reduction.sharded_parameters)
-        return self.dtype is not None or not whole or self._clip_norm is not None
-
     def _optimizer_for_backward(self, optimizer: Optimizable | None) -> MasterWeightOptimizer | None:
         if isinstance(optimizer, MasterWeightOptimizer):
             return optimizer
@@ -317,17 +263,3 @@ class _SkipAwareSchedulerStep:
 
 def _no_topology() -> None:
     """The topology outside a run: none."""
-
-
-def _keep_in_fp32(layer: nn.Module, model_dtype: torch.dtype) -> None:
-    """Keep a layer (BatchNorm) in fp32 inside a half-precision model: fp32 in, the model's dtype out."""
-    layer.float()
-
-    def cast_in(_: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        return tuple(a.float() if isinstance(a, Tensor) and torch.is_floating_point(a) else a for a in args)
-
-    def cast_out(_: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        return output.to(model_dtype) if isinstance(output, Tensor) and output.is_floating_point() else output
-
-    layer.register_forward_pre_hook(cast_in)
-    layer.register_forward_hook(cast_out)

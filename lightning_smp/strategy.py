@@ -54,7 +54,6 @@ from lightning_smp import (
 )
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import smp as smp_facade
-from lightning_smp import topology as topology_builder
 from lightning_smp._compat import (
     ddp_kwargs,
     dump_checkpoint,
@@ -66,12 +65,14 @@ from lightning_smp._compat import (
 )
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
+from lightning_smp.engine import RunContext, StepEngine
 from lightning_smp.materialization import has_meta_tensors
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.pipeline import PipelineEngine
+from lightning_smp.pipeline.lightning_results import LightningResults
+from lightning_smp.pipeline.microbatch import split_batch
 from lightning_smp.placement import placements_kept
 from lightning_smp.precision import SMPPrecision
-from lightning_smp.reduction import ReductionPlan, plan_reduction
 from lightning_smp.tensor_parallel.rng import sync_default_generator
 from lightning_smp.topology import Topology
 
@@ -173,15 +174,13 @@ class SMPStrategy(DDPStrategy):
         self._config = SMPConfig.from_sources(explicit, smp_options=smp_options)
         for line in [*self._config.deprecated_settings(), *self._config.inactive_settings()]:
             rank_zero_warn(line)
-        self._topology: Topology | None = None
-        self._reduction = ReductionPlan()  # who reduces gradients over the replicas, planned with the topology
+        self._run: RunContext | None = None  # the settings, layout and reduction plan, from setup_environment
+        self._engine: StepEngine | None = None  # runs every step of the model, from setup
+        self._results: LightningResults | None = None  # a pipelined step's outputs, logs and metrics on every stage
         self._sigterm = fault_tolerance.SchedulerSignal()
-        self._pipeline: PipelineEngine | None = None
         self._grad_sync_blocked = False
-        self._checked_batches: set[str] = set()  # the steps whose first batch `tp_batches.check_batches` compared
         self._data_positioned = False  # whether this fit's training loader was set at the resumed batch
         route_last_checkpoint(_newest_checkpoint_for_smp)  # `ckpt_path="last"`: the newest complete checkpoint
-        self._attending_steps: set[str] = set()  # the steps seen to run attention under context parallelism
         self.failed = False
         """Whether the last fit/validate/test ended in an exception (then the process groups stay at exit)."""
         super().__init__(
@@ -206,16 +205,24 @@ class SMPStrategy(DDPStrategy):
         return self._config
 
     @property
+    def run(self) -> RunContext:
+        """The run's settings, rank layout and gradient-reduction plan."""
+        if self._run is None:
+            raise RuntimeError(
+                "The run (and `strategy.topology`) exists once the strategy's `setup_environment` has run: use it "
+                "inside the run (in a LightningModule hook), not before `trainer.fit` starts."
+            )
+        return self._run
+
+    @property
     def topology(self) -> Topology:
-        if self._topology is None:
-            raise RuntimeError("The topology exists once the strategy's `setup_environment` has run.")
-        return self._topology
+        return self.run.topology
 
     @property
     def pipeline(self) -> PipelineEngine | None:
         """This rank's pipeline engine (its partition ``plan``, ``owned_parameter_names()``); None without
         pipeline parallelism or before ``setup``."""
-        return self._pipeline
+        return self._engine.pipeline if self._engine is not None else None
 
     # -- precision: the strategy owns it ---------------------------------------------------------------------
 
@@ -254,26 +261,19 @@ class SMPStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         preemption.check_torchelastic_restarts()
         super().setup_environment()
-        config = self._config
-        self._topology = topology_builder.build(
-            dp=config.data_parallel_degree(self.world_size),
-            pp=config.pipeline_parallel_degree,
-            tp=config.tensor_parallel_degree,
-            order=config.placement_order,
+        run = self._run = RunContext.start(
+            self._config,
+            world_size=self.world_size,
             device_type=self.root_device.type,
             timeout=strategy_timeout(self),
-            sdp=config.sharded_data_parallel_degree,
-            cp=config.context_parallel_degree,
         )
         plugin = self.precision_plugin
-        self._reduction = plan_reduction(config, self._topology)
         if isinstance(plugin, SMPPrecision):
-            plugin.topology = self._topology
-            plugin.reduction = self._reduction
+            plugin.start_run(run.topology, run.reduction)
         smp_facade.start_run(
             smp_facade.RunRecord.from_topology(
-                self._topology,
-                config=config,
+                run.topology,
+                config=run.config,
                 local_rank=self.local_rank,
                 local_size=self.num_processes,
                 wrap_optimizer=plugin.wrap_optimizer if getattr(plugin, "dtype", None) is not None else None,
@@ -295,7 +295,7 @@ class SMPStrategy(DDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        if self._topology is not None:
+        if self._run is not None:
             # Every rank records the same initial values, so each can materialise its own part of one model (an
             # eager build is made equal by broadcasts at setup, which a model on the meta device cannot have).
             sync_default_generator(dist.group.WORLD, self.root_device)
@@ -310,7 +310,6 @@ class SMPStrategy(DDPStrategy):
         self.model = self._parallelize(self.model)
         if self.topology.cp > 1:
             context_parallel.prepare_hugging_face(self.model)
-        self._checked_batches.clear()  # each run's loops check their first batch again
         self._data_positioned = False
         _reduce_metrics_over_replicas(self.model, self.topology)
         self._sigterm.install(trainer)
@@ -326,17 +325,27 @@ class SMPStrategy(DDPStrategy):
         self.setup_precision_plugin()
 
     def _parallelize(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Split the model for this rank (`lightning_smp.build`: plan, then apply) and keep its pipeline engine."""
-        self._pipeline = build.plan_and_apply(
-            model, topology=self.topology, config=self._config, device=self.root_device, engine=self._pipeline
+        """Split the model for this rank (`lightning_smp.build`: plan, then apply) and make the engine of its
+        steps (a later fit/validate reuses the pipeline engine)."""
+        if self.topology.pp > 1 and not self.lightning_module.automatic_optimization:
+            raise ValueError(
+                "pipeline_parallel_degree > 1 runs forward and backward of every microbatch inside the step, which "
+                "needs automatic optimization; remove `self.automatic_optimization = False` (with one optimizer) or "
+                "set pipeline_parallel_degree=1."
+            )
+        pipeline = build.plan_and_apply(
+            model, topology=self.topology, config=self._config, device=self.root_device, engine=self.pipeline
         )
+        microbatches = self._config.microbatches if pipeline is not None else 1
+        self._engine = StepEngine(self.run, pipeline, functools.partial(_split_batch, microbatches=microbatches))
+        self._results = LightningResults(self.lightning_module)
         return model
 
     @override
     def model_to_device(self) -> None:
         # Under sharding FSDP2 has put the shards and buffers on the device; `Module.to` would swap each DTensor
         # parameter for a new object, dropping its placement (the norm bookkeeping) and FSDP2's reference.
-        if not self._reduction.sharded_parameters:
+        if not self.run.reduction.sharded_parameters:
             super().model_to_device()
 
     @property
@@ -352,9 +361,9 @@ class SMPStrategy(DDPStrategy):
         # The reduction plan says who reduces (`lightning_smp.reduction`): DDP wraps only when it is DDP's job.
         # Where the pipeline engine all-reduces or the optimizer reduce-scatters, DDP's other job, making the
         # replicas start equal, is done here; FSDP2 syncs as it shards, and one replica has nothing to sync.
-        if self._reduction.wraps_ddp:
+        if self.run.reduction.wraps_ddp:
             super().configure_ddp()
-        elif self._reduction.syncs_replicas_at_setup:
+        elif self.run.reduction.syncs_replicas_at_setup:
             _sync_over_replicas(self.model, self.topology)
 
     @override
@@ -365,7 +374,7 @@ class SMPStrategy(DDPStrategy):
             return DistributedDataParallel(
                 module=model,
                 device_ids=device_ids,
-                process_group=self.topology.group(self._reduction.axis),
+                process_group=self.topology.group(self.run.reduction.axis),
                 **ddp_kwargs(self),
             )
 
@@ -393,27 +402,18 @@ class SMPStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        args, own = self._tp_group_batch("training_step", args)
-        args = self._split_sequence(args)
-        with self._split_sequence_attention("training_step"):
-            output = self._training_step(args, kwargs)
+        output = self._engine_().training_step(
+            self._step_function("training_step"),
+            args,
+            kwargs,
+            results=self._results_(),
+            scale_loss=self.precision_plugin.loss_scaling(
+                self.optimizers[0] if self.optimizers else None,
+                accumulation=self.lightning_module.trainer.accumulate_grad_batches,
+            ),
+            sync=not self._grad_sync_blocked,
+        )
         self._log_loss_scale()
-        return own(output)
-
-    def _training_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if self._pipeline is None:
-            output = self._unpipelined_step("training_step", args, kwargs)
-        else:
-            output = self._pipeline.training_step(
-                args,
-                kwargs,
-                step=self._step_function("training_step"),
-                scale_loss=self.precision_plugin.loss_scaling(
-                    self.optimizers[0] if self.optimizers else None,
-                    accumulation=self.lightning_module.trainer.accumulate_grad_batches,
-                ),
-                sync=not self._grad_sync_blocked,
-            )
         return output
 
     @override
@@ -429,26 +429,22 @@ class SMPStrategy(DDPStrategy):
         return self._evaluation_step("predict_step", args, kwargs)
 
     def _evaluation_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """A validation, test or predict step: the tensor-parallel group's batch, this rank's part of the sequences
-        under context parallelism, then the step (through the pipeline's schedule when there is one)."""
-        args, own = self._tp_group_batch(name, args)
-        args = self._split_sequence(args)
-        with self._split_sequence_attention(name):
-            if self._pipeline is None:
-                return own(self._unpipelined_step(name, args, kwargs))
-            return own(self._pipeline.evaluation_step(args, kwargs, step=self._step_function(name)))
+        return self._engine_().evaluation_step(
+            self._step_function(name), args, kwargs, results=self._results_(), name=name
+        )
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if self._pipeline is None:
+        engine = self._engine_()
+        if engine.pipeline is None:
             # Activation checkpointing recomputes attention during backward: it must run over the split sequence too.
-            with self._reduce_during_backward(optimizer), self._split_sequence_attention("backward"):
+            with self._reduce_during_backward(optimizer), engine.attention("backward"):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule ran every microbatch's backward inside training_step (as DeepSpeed's engine does); the
         # gradients it kept aside join `.grad` here, after Lightning's zero_grad, and are all-reduced.
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        self._pipeline.finish_backward(sync=not self._grad_sync_blocked)
+        engine.finish_backward(sync=not self._grad_sync_blocked)
         return self.precision_plugin.post_backward(closure_loss, module)
 
     def _reduce_during_backward(self, optimizer: Any) -> AbstractContextManager[None]:
@@ -472,8 +468,8 @@ class SMPStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         """No stage leaves a loop before every stage has its last step's result (see `PipelineEngine.settle`)."""
-        if self._pipeline is not None:
-            self._pipeline.settle()
+        if self._engine is not None:
+            self._engine.settle()
 
     on_validation_end = on_test_end = on_predict_end = on_train_end  # every loop ends the same way
 
@@ -483,7 +479,7 @@ class SMPStrategy(DDPStrategy):
         # accumulating: DDP, the pipeline engine and ZeRO-1 reduce at the last micro-step
         self._grad_sync_blocked = True
         try:
-            if self._pipeline is None:
+            if self.pipeline is None:
                 with super().block_backward_sync():
                     yield
             else:
@@ -491,53 +487,19 @@ class SMPStrategy(DDPStrategy):
         finally:
             self._grad_sync_blocked = False
 
-    def _tp_group_batch(self, name: str, args: tuple[Any, ...]) -> tuple[tuple[Any, ...], Callable[[Any], Any]]:
-        """The step's arguments with the batch (``args[0]``) its tensor-parallel group trains on, as
-        ``prescaled_batch`` defines it (`tp_batches`), and the function that cuts the step's output back to this
-        rank's samples. The first batch of each loop is checked against the setting."""
-        if self.topology.tp == 1 or not args:
-            return args, _whole
-        if name not in self._checked_batches:
-            tp_batches.check_batches(args[0], topology=self.topology, prescaled_batch=self._config.prescaled_batch)
-            self._checked_batches.add(name)
-        if self._config.prescaled_batch:
-            return args, _whole
-        combined = tp_batches.combine(args[0], group=self.topology.group("tp"))
-        return (combined.batch, *args[1:]), combined.own
-
-    def _split_sequence(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
-        """Under context parallelism, the step's batch (``args[0]``, the same on every rank of a context-parallel
-        group) cut to this rank's chunks of every sequence (`context_parallel.split_batch`)."""
-        topology = self.topology
-        if topology.cp == 1 or not args:
-            return args
-        return (context_parallel.split_batch(args[0], cp=topology.cp, rank=topology.rank("cp")), *args[1:])
-
-    @contextmanager
-    def _split_sequence_attention(self, name: str) -> Generator[None, None, None]:
-        """Under context parallelism, attention over the whole split sequence for a step (or its backward); the first
-        of each kind of step must have run attention (`context_parallel.attending_over_split_sequences`)."""
-        topology = self.topology
-        if topology.cp == 1:
-            yield
-            return
-        check = name if name != "backward" and name not in self._attending_steps else None
-        with context_parallel.attending_over_split_sequences(
-            topology.group("cp"), self._config.cp_comm_type, check=check
-        ):
-            yield
-        self._attending_steps.add(name)
-
     def _unpipelined_step(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not self._reduction.sharded_parameters:
+        if not self.run.reduction.sharded_parameters:
             return getattr(super(), name)(*args, **kwargs)
         # FSDP2 gathers the root unit's parameters in the LightningModule's forward hooks: run the step as its
         # forward (Lightning's forward redirection; the model is the LightningModule itself, not a wrapper).
         with self._step_context(name)():
             return forward_redirection(self)(self.model, self.lightning_module, name, *args, **kwargs)
 
-    def _step_function(self, name: str) -> Any:
-        """The LightningModule's ``name`` step under the precision plugin's context, for one microbatch."""
+    def _step_function(self, name: str) -> Callable[..., Any]:
+        """The LightningModule's ``name`` step for the engine: per microbatch under the precision plugin's context
+        with a pipeline; without one, through the DDP or FSDP2 wrapper (`_unpipelined_step`)."""
+        if self.pipeline is None:
+            return lambda *args, **kwargs: self._unpipelined_step(name, args, kwargs)
         module, context = self.lightning_module, self._step_context(name)
 
         def step(*args: Any, **kwargs: Any) -> Any:
@@ -545,6 +507,18 @@ class SMPStrategy(DDPStrategy):
                 return getattr(module, name)(*args, **kwargs)
 
         return step
+
+    def _engine_(self) -> StepEngine:
+        if self._engine is None:
+            raise RuntimeError(
+                "The step engine exists once the strategy's `setup` has run: steps run inside `trainer.fit`, "
+                "`validate`, `test` or `predict`; call them there."
+            )
+        return self._engine
+
+    def _results_(self) -> LightningResults:
+        assert self._results is not None  # made with the engine
+        return self._results
 
     def _step_context(self, name: str) -> Any:
         """The precision plugin's context manager for the ``name`` step."""
@@ -599,7 +573,7 @@ class SMPStrategy(DDPStrategy):
                 "`trainer.save_checkpoint(...)`."
             )
         path = self.broadcast(filepath)  # every rank writes its part into rank 0's path
-        owned = self._pipeline.owned_parameter_names() if self._pipeline is not None else None
+        owned = self.pipeline.owned_parameter_names() if self.pipeline is not None else None
         checkpointing.save(
             checkpoint,
             path,
@@ -713,8 +687,8 @@ class SMPStrategy(DDPStrategy):
                 module.process_group = None
         self._sigterm.forget_vote()
         checkpointing.forget_save_group()
-        self._pipeline = None
-        self._topology = None
+        self._engine = self._results = None
+        self._run = None
 
     @classmethod
     @override
@@ -722,8 +696,12 @@ class SMPStrategy(DDPStrategy):
         register_strategies(strategy_registry)
 
 
-def _whole(output: Any) -> Any:
-    return output
+def _split_batch(args: tuple, kwargs: dict, *, microbatches: int) -> list[tuple[tuple, dict]]:
+    """A Lightning step's arguments as ``microbatches`` microbatches: its batch (``args[0]``) split, the rest (the
+    batch index) handed to each whole."""
+    if microbatches == 1:
+        return [(args, kwargs)]
+    return [((batch, *args[1:]), kwargs) for batch in split_batch(args[0], microbatches)]
 
 
 def _reduce_metrics_over_replicas(model: torch.nn.Module, topology: Topology) -> None:

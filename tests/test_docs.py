@@ -267,8 +267,6 @@ _FIXES = {
     "as a dotted path from the LightningModule (e.g. `'model.blocks'`), or leave it None.",
     "non-empty stages": "Use fewer pipeline stages than the trunk has children, or a trunk with more children.",
     "the plans do not run every microbatch": "An internal error of the pipeline schedule: please report it.",
-    "The topology exists once": "Ask `strategy.topology` inside the run (in a LightningModule hook), not before "
-    "`trainer.fit` starts.",
     "merge_outputs needs at least one output": "An internal error of the pipeline runtime: please report it.",
     "the trunk has no child": "An internal error of the partition plan: please report it.",
     "smp.set_partition takes an nn.Module": "Call `smp.set_partition(self.blocks[3], 1)` with the module itself, "
@@ -346,6 +344,7 @@ _GROUP_OF_PATH = {
     "overlap.py": "Launching and failures",  # reductions started during backward
     "collectives.py": "Launching and failures",  # which way an all-gather or reduce-scatter runs; raises nothing
     "fault_tolerance.py": "Launching and failures",
+    "engine.py": "Launching and failures",  # the run's context and its steps; raises nothing of its own
     "preemption.py": "Launching and failures",
     "data_position.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own
@@ -370,6 +369,7 @@ _GROUP_OF_PATH = {
     "context_parallel/": "Tensor parallelism",  # the sequence split across ranks, and attention over it
     "pipeline/": "Pipeline parallelism",
     "precision.py": "Precision and loss scaling",
+    "mixed_precision.py": "Precision and loss scaling",
     "loss_scaler.py": "Precision and loss scaling",
     "optimizer.py": "Precision and loss scaling",
     "master_shard.py": "Precision and loss scaling",

@@ -7,39 +7,39 @@ a ``loss_fn(output, target)`` on the last, so a LightningModule's step does not 
 weights in sync (pytorch #51931). The schedules are the same family (schedule.py), and
 ``benchmarks/pipeline_bench.py`` measures this driver against torch's on the same split.
 
-Owns the schedule loop: the microbatch loop, forward and backward per action (a backward split in two where the
-plan has a W action for it, `split_backward`), and dividing the pipelined loss by the microbatches (the scale and the
-accumulation count applied by the precision plugin's callable). It hands the rest to one object each: the step's
-gradients wait in `HeldGradients` until Lightning's backward call, `StageGradientReduction` reduces them (on the
-last step of an accumulation its all-reduces start while the schedule runs: the engine arms them around each chunk's
-last backward), `Results` records the last stage's outputs, logs and metrics and replays them on every stage, and
-the `PipelineLayout` says which parameters this stage trains. Not owned: the plans (partition.py, schedule.py,
+It knows no Lightning: each door (the Trainer's strategy, Fabric, ``smp.step``) hands it the microbatches' arguments,
+a step callable, the loss scaling and how to record the step's results. Owns the schedule loop: the microbatch loop,
+forward and backward per action (a backward split in two where the plan has a W action for it, `split_backward`),
+and dividing the pipelined loss by the microbatches (the scale and the accumulation count applied by the door's
+callable). It hands the rest to one object each: the step's gradients wait in `HeldGradients` until the door's
+backward call, `StageGradientReduction` reduces them (on the last step of an accumulation its all-reduces start while
+the schedule runs: the engine arms them around each chunk's last backward), the door's `StepResults` packs the last
+stage's outputs (and under Lightning its logs and metrics) and replays them on every stage, and the `PipelineLayout`
+says which parameters this stage trains. Not owned: the plans (partition.py, schedule.py,
 layout.py), routing inside the trunk (stage.py), messages (p2p.py).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_smp.overlap import ReadyBuckets
 from lightning_smp.pipeline import schedule as schedules
 from lightning_smp.pipeline.held_gradients import HeldGradients
 from lightning_smp.pipeline.layout import PipelineLayout, learn_shared_owners
-from lightning_smp.pipeline.microbatch import split_batch
 from lightning_smp.pipeline.p2p import NOTHING, Transport
 from lightning_smp.pipeline.partition import OutsidePlan, PartitionPlan, bytes_per_param
 from lightning_smp.pipeline.reduction import StageGradientReduction
-from lightning_smp.pipeline.results import Results, StepRecord
+from lightning_smp.pipeline.results import StepRecord, StepResults
 from lightning_smp.pipeline.split_backward import BackwardSplitter, WeightGradients
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.placement import mark_norm_duplicate
@@ -55,17 +55,11 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(
-    module: pl.LightningModule, *, topology: Topology, config: SMPConfig, plan: PartitionPlan, outside: OutsidePlan
+    module: nn.Module, *, topology: Topology, config: SMPConfig, plan: PartitionPlan, outside: OutsidePlan
 ) -> PipelineEngine:
     """Print the partition ``plan`` (rank 0), keep this rank's stage of it in ``module`` (in place: other stages'
     trunk children and the modules ``outside`` the trunk that it does not hold become placeholders) and return the
     engine that runs its steps. The plan is `lightning_smp.build`'s."""
-    if not module.automatic_optimization:
-        raise ValueError(
-            "pipeline_parallel_degree > 1 runs forward and backward of every microbatch inside the step, which "
-            "needs automatic optimization; remove `self.automatic_optimization = False` (with one optimizer) or "
-            "set pipeline_parallel_degree=1."
-        )
     trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
     per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
     if 0 in per_stage:
@@ -105,10 +99,9 @@ class _Live:
 
 @dataclass
 class _Step:
-    microbatches: list[Any]
-    rest: tuple
-    kwargs: dict
+    microbatches: Sequence[tuple[tuple, dict]]  # each microbatch's positional and keyword arguments of the step
     step: Callable[..., Any]
+    results: StepResults
     training: bool
     scale_loss: Callable[..., Tensor] | None = None  # training: what a microbatch's backward starts from
     params: list[nn.Parameter] = field(default_factory=list)  # this stage's trained parameters
@@ -124,7 +117,7 @@ class PipelineEngine:
     """Runs training and evaluation steps of one rank's pipeline stage. Create it with `build_engine`.
 
     Args:
-        module: the LightningModule, holding this rank's stage.
+        module: the model (a LightningModule, or any module), holding this rank's stage.
         layout: where every parameter lives (`PipelineLayout`, of `lightning_smp.build`'s plan).
         router: routes the trunk's children on this rank.
         topology: the run's process groups.
@@ -134,7 +127,7 @@ class PipelineEngine:
 
     def __init__(
         self,
-        module: pl.LightningModule,
+        module: nn.Module,
         *,
         layout: PipelineLayout,
         router: TrunkRouter,
@@ -151,7 +144,6 @@ class PipelineEngine:
         self._stage = topology.rank("pp")
         self._transport: Transport | None = None
         self._held = HeldGradients()
-        self._results = Results(module)
         self._synced_once = False
         self._reduction: ReadyBuckets | None = None  # started by the last training step, for `finish_backward`
 
@@ -165,8 +157,8 @@ class PipelineEngine:
         return self._layout
 
     @property
-    def module(self) -> pl.LightningModule:
-        """The LightningModule whose trunk this engine routes (a later fit/validate/test reuses the engine)."""
+    def module(self) -> nn.Module:
+        """The model whose trunk this engine routes (a later fit/validate/test reuses the engine)."""
         return self._module
 
     @property
@@ -187,28 +179,26 @@ class PipelineEngine:
 
     def training_step(
         self,
-        args: tuple,
-        kwargs: dict,
+        microbatches: Sequence[tuple[tuple, dict]],
         *,
         step: Callable[..., Any],
+        results: StepResults,
         scale_loss: Callable[..., Tensor],
         sync: bool,
     ) -> Any:
-        """Forward and backward of every microbatch of the batch ``args[0]``; returns the last stage's output
-        (loss = mean over microbatches) on every stage. Each microbatch's backward starts from
-        ``scale_loss(loss, divide_by=microbatches)`` (the precision plugin's `loss_scaling`: the loss scale and the
-        accumulation count are its). The gradients wait for `finish_backward`; with ``sync`` (the last step of an
-        accumulation) their reduction over the replicas starts during the last backwards."""
-        microbatches = split_batch(args[0], self._config.microbatches)
+        """Forward and backward of ``step(*args, **kwargs)`` for every microbatch's arguments; returns what
+        ``results`` replays of the last stage's outputs, on every stage. Each microbatch's backward starts from
+        ``scale_loss(loss, divide_by=len(microbatches))`` (`PrecisionRules.loss_scaling`: the loss scale and the
+        accumulation count are the door's). The gradients wait for `finish_backward`; with ``sync`` (the last step
+        of an accumulation) their reduction over the replicas starts during the last backwards."""
         params = self._trainable()
-        if self._reduction is not None:  # a step whose backward Lightning skipped: its reductions end here
+        if self._reduction is not None:  # a step whose backward was skipped: its reductions end here
             self._reduction.finish()
         self._reduction = self._reduce.start(trained=params, tied=self.tied_parameters) if sync else None
         state = _Step(
             microbatches,
-            tuple(args[1:]),
-            dict(kwargs),
             step,
+            results,
             training=True,
             scale_loss=scale_loss,
             params=params,
@@ -220,10 +210,12 @@ class PipelineEngine:
                 self._reduction.launch_rest()  # parameters no backward reached: their gradients as they are
         return self._share(state)
 
-    def evaluation_step(self, args: tuple, kwargs: dict, *, step: Callable[..., Any]) -> Any:
-        """Forward of every microbatch (validation, test, predict); returns the merged output on every stage."""
-        microbatches = split_batch(args[0], self._config.microbatches)
-        state = _Step(microbatches, tuple(args[1:]), dict(kwargs), step, training=False)
+    def evaluation_step(
+        self, microbatches: Sequence[tuple[tuple, dict]], *, step: Callable[..., Any], results: StepResults
+    ) -> Any:
+        """Forward of every microbatch (validation, test, predict); returns what ``results`` replays, on every
+        stage."""
+        state = _Step(microbatches, step, results, training=False)
         self._run(state)
         return self._share(state)
 
@@ -303,11 +295,12 @@ class PipelineEngine:
             received, leaves = transport.recv_activation(
                 src=transport.peer(-1), requires_grad=state.training, tag=2 * (chunk - 1)
             )
-        capture = self._results.capture(watch_metrics=is_last)
+        capture = state.results.capture(watch_metrics=is_last)
         exited = False
         with self._router.run(chunk, received) as call, capture:
             try:
-                output = state.step(state.microbatches[index], *state.rest, **state.kwargs)
+                args, kwargs = state.microbatches[index]
+                output = state.step(*args, **kwargs)
             except StageExit as stop:
                 output, exited = stop.output, True
         if is_last:
@@ -366,7 +359,7 @@ class PipelineEngine:
         the reduced ``self.log`` calls, the metrics) to the other stages, without waiting. They receive it once
         their own last backward is done, while this stage runs its last backwards (and held weight gradients):
         neither waits for the other's tail. A collective would hold each stage until the slowest's end."""
-        state.package = self._results.pack(state.record)
+        state.package = state.results.pack(state.record)
         for rank in self._topology.ranks("pp")[:-1]:
             transport.send_activation(state.package, dst=rank, tag=self._result_tag(state.training))
 
@@ -379,7 +372,7 @@ class PipelineEngine:
                 src=last, requires_grad=False, tag=self._result_tag(state.training)
             )
         assert package is not None  # the last stage sent it after its last forward
-        return self._results.replay(package, updated_here=self._topology.is_last_stage)
+        return state.results.replay(package, updated_here=self._topology.is_last_stage)
 
     def _result_tag(self, training: bool) -> int:
         """The tag of the step results' link: after every chunk link's two tags; training and evaluation apart."""
@@ -401,7 +394,8 @@ def _loss_of(output: Any) -> Tensor:
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if not isinstance(loss, Tensor):
         raise RuntimeError(
-            f"training_step returned {type(output).__name__} on the last pipeline stage; with pipeline parallelism "
-            "it must return the loss tensor, or a dict with a 'loss' tensor, for every microbatch."
+            f"the step returned {type(output).__name__} on the last pipeline stage; with pipeline parallelism "
+            "it must return the loss tensor, or a dict with a 'loss' tensor, for every microbatch (under @smp.step: "
+            "call model.backward(loss) in every microbatch)."
         )
     return loss
