@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import Tensor
 
 from lightning_smp import SMPStrategy, collectives
-from lightning_smp import strategy as strategy_module
+from lightning_smp import engine as engine_module
 from lightning_smp.checkpoint import consolidate_checkpoint, model_state_dict, optimizer_state_dict
 from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.master_shard import FlatPiece
@@ -123,12 +123,12 @@ def _bucket_cap(max_bytes: int | None):
     if max_bytes is None:
         yield
         return
-    plan = strategy_module.plan_reduction
+    plan = engine_module.plan_reduction
 
     def capped(config, topology):
         return dataclasses.replace(plan(config, topology), bucket_bytes=max_bytes)
 
-    with mock.patch.object(strategy_module, "plan_reduction", capped):
+    with mock.patch.object(engine_module, "plan_reduction", capped):
         yield
 
 
