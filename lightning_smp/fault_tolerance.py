@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from torch import Tensor
+from torch import Tensor, nn
+from torchmetrics import Metric
 
 from lightning_smp._compat import install_sigterm_hooks, mark_sigterm_received, stop_child_process_observer
 from lightning_smp.host_mirror import HostMirror
+from lightning_smp.tensor_parallel import TensorParallelModule
 
 __all__ = [
     "PEER_LOST_MESSAGES",
@@ -38,6 +40,7 @@ __all__ = [
     "close_process_groups_at_exit",
     "end_launched_ranks",
     "explain_failure",
+    "forget_module_groups",
 ]
 
 log = logging.getLogger(__name__)
@@ -234,6 +237,16 @@ class _HoldsProcessGroups(Protocol):
 
     def forget_process_groups(self) -> None:
         """Drop every reference the run holds to its process groups (they are destroyed)."""
+
+
+def forget_module_groups(model: nn.Module) -> None:
+    """Drop the references ``model``'s tensor-parallel layers and torchmetrics metrics hold to the run's groups
+    (a run's ``forget_process_groups``)."""
+    for module in model.modules():
+        if isinstance(module, TensorParallelModule):
+            module.tp_forget_group()
+        if isinstance(module, Metric):
+            module.process_group = None
 
 
 _at_exit: weakref.WeakSet[_HoldsProcessGroups] = weakref.WeakSet()

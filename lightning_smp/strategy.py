@@ -49,7 +49,6 @@ from lightning_smp import (
     data_position,
     fault_tolerance,
     preemption,
-    tensor_parallel,
     tp_batches,
 )
 from lightning_smp import checkpoint as checkpointing
@@ -680,11 +679,8 @@ class SMPStrategy(DDPStrategy):
         """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,
         `fault_tolerance.close_process_groups`), so that they are freed while Python is whole. The optimizers and
         the precision plugin hold the topology weakly: dropping it here frees their groups too."""
-        for module in self.model.modules() if self.model is not None else ():
-            if isinstance(module, tensor_parallel.TensorParallelModule):
-                module.tp_forget_group()
-            if isinstance(module, Metric):
-                module.process_group = None
+        if self.model is not None:
+            fault_tolerance.forget_module_groups(self.model)
         self._sigterm.forget_vote()
         checkpointing.forget_save_group()
         self._engine = self._results = None
