@@ -131,9 +131,9 @@ def render_smp_internal_settings() -> str:
 _RUN = "in a run only, as in smp after `smp.init()`"
 _AXIS_HELPERS = tuple(f"{axis}_{what}" for axis in ("dp", "rdp", "pp", "tp", "mp") for what in ("rank", "size"))
 _SMP_NAMES: dict[str, tuple[str, str, str]] = {
-    "init": ("raises", "`SMPStrategy(...)` / `SMPStrategy.from_smp_options(smp_options)`", "from_smp_options"),
-    "step": ("raises", "the LightningModule's `training_step`, run per microbatch; return the loss", "training_step"),
-    "DistributedModel": ("raises", "nothing: the strategy splits and wraps the LightningModule", "SMPStrategy splits"),
+    "init": ("same", "in a script; under a Trainer, `SMPStrategy(...)` / `SMPStrategy.from_smp_options(...)`", ""),
+    "step": ("same", "in a script; under a Trainer, the LightningModule's `training_step`, run per microbatch", ""),
+    "DistributedModel": ("same", "in a script; under a Trainer, the strategy splits the LightningModule", ""),
     "DistributedOptimizer": (
         "same",
         "smp's defaults (a static scale of 1.0), with a warning when they replace the strategy's scaling; or a plain "
@@ -165,8 +165,8 @@ _SMP_NAMES: dict[str, tuple[str, str, str]] = {
     **{name: ("same", "", "") for name in ("DP_GROUP", "RDP_GROUP")},
     "save_checkpoint": ("same", "the strategy's sharded checkpoint, loadable under any layout", ""),
     "resume_from_checkpoint": ("same", "from `on_fit_start` on; `trainer.fit(ckpt_path=...)` resumes loops too", ""),
-    "save": ("raises", "`trainer.save_checkpoint`, `consolidate_checkpoint`, or `torch.save`", "torch.save"),
-    "load": ("raises", "`torch.load`, or `trainer.fit(ckpt_path=...)`", "torch.load"),
+    "save": ("same", "one file per model-parallel rank (`partial=True`), or one file", ""),
+    "load": ("same", "this rank's file of the same layout; any layout: `resume_from_checkpoint`", ""),
     "amp": ("raises", "`SMPStrategy(fp16=True)` (fp32 masters, smp's loss scaling)", "SMPStrategy(fp16=True)"),
     "nn.DistributedLinear": ("same", "`nn.Linear`'s arguments, the weight split along the input features", ""),
     "nn.DistributedEmbedding": ("same", "`nn.Embedding`'s arguments, split along the vocabulary", ""),

@@ -1,12 +1,15 @@
-"""The smp-compatible facade: ``from lightning_smp import smp`` gives SageMaker code the names it calls.
+"""The smp-compatible facade: ``from lightning_smp import smp`` gives SageMaker code the names it calls, inside a
+Trainer's run and in an smp v1 script run as it is (``smp.init()``, ``smp.DistributedModel``, ``@smp.step``).
 
-It owns nothing but the record of the current or last run (`run.RunRecord`): the running `SMPStrategy` hands one
+It answers from the record of the current or last run (`run.RunRecord`): the running `SMPStrategy` hands one
 over in ``setup_environment`` (`start_run`) and ends it in ``teardown`` (`end_run`), which keeps its facts (ranks,
 sizes, config) and drops its callables, so no process group, model or optimizer outlives the run here. Ranks, sizes
 and ``smp.state.cfg`` therefore answer inside a run, after it (from the last run) and before any (as one process),
 so a model built with them loads and runs without a Trainer; collectives and checkpoint helpers need a running one.
-One module per concern: `run` (the record, ``smp.state``), `ranks` (ranks, sizes, groups, barriers), `messages`
-(Python objects between ranks), `creation` (building the model), `optimizer`, `checkpoints`.
+A script's ``smp.init()`` starts a record that lasts until the process ends (`script`). One module per concern:
+`run` (the record, ``smp.state``), `ranks` (ranks, sizes, groups, barriers), `messages` (Python objects between
+ranks), `creation` (building the model), `script` (a script's run), `model` (``DistributedModel``),
+`step_function` (``@smp.step``), `optimizer`, `checkpoints`.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from lightning_smp.smp.creation import (
     tp_register_with_module,
 )
 from lightning_smp.smp.messages import CommGroup, RankType, allgather, broadcast, recv_from, send
+from lightning_smp.smp.model import DistributedModel
 from lightning_smp.smp.optimizer import DistributedOptimizer
 from lightning_smp.smp.ranks import (
     DP_GROUP,
@@ -64,18 +68,17 @@ from lightning_smp.smp.ranks import (
     tp_size,
 )
 from lightning_smp.smp.run import (
-    DistributedModel,
     RunRecord,
     end_run,
-    init,
     is_initialized,
     is_tracing,
     num_microbatches,
     preview,
     start_run,
     state,
-    step,
 )
+from lightning_smp.smp.script import init
+from lightning_smp.smp.step_function import StepOutput, step
 from lightning_smp.tensor_parallel import nn
 from lightning_smp.tensor_parallel.creation import set_tensor_parallelism
 
@@ -91,6 +94,7 @@ __all__ = [
     "DistributedOptimizer",
     "RankType",
     "RunRecord",
+    "StepOutput",
     "allgather",
     "barrier",
     "broadcast",

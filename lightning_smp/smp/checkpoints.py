@@ -1,12 +1,15 @@
 """smp's checkpoint calls: ``smp.save_checkpoint`` / ``smp.resume_from_checkpoint`` through the running run's
-sharded checkpoints (tags, the ``newest`` file, partial checkpoints kept), and ``smp.save`` / ``smp.load`` with the
-way to replace them.
+sharded checkpoints (tags, the ``newest`` file, partial checkpoints kept; the Trainer's or an smp script's), and
+``smp.save`` / ``smp.load`` of any object per model-parallel rank, as smp wrote them.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_smp import checkpoint as _checkpoint
@@ -45,22 +48,37 @@ def save_checkpoint(
     dist.barrier(group=run.group("world"))
 
 
-def save(obj: Any, f: Any, partial: bool = True, **kwargs: Any) -> None:
-    """smp's ``smp.save`` wrote ``obj`` per rank (``partial``) or once; lightning_smp saves the run's state itself."""
-    raise RuntimeError(_SAVE_INSTEAD.format(call="smp.save"))
+def save(obj: Any, f: str | os.PathLike, partial: bool = True, **_: Any) -> None:
+    """smp's ``smp.save``: with ``partial`` each model-parallel rank of the first data-parallel replica writes its
+    ``obj`` (``model.local_state_dict()``, say) to ``<f>_<pp_rank>_<tp_rank>``; without, rank 0 writes ``f``. Call it
+    on every rank. Each file appears whole or not at all (written beside, then renamed). A sharded training state
+    that loads under any layout is ``smp.save_checkpoint``'s."""
+    run = running("save", "after fit returns, `trainer.save_checkpoint(path)` writes the whole training state")
+    writes = run.ranks["rdp"] == 0 if partial else run.ranks["world"] == 0
+    if writes:
+        target = Path(_partial_path(f, run.ranks) if partial else f)
+        staging = target.with_name(f".{target.name}.tmp")
+        torch.save(obj, staging)
+        os.replace(staging, target)
+    assert run.group is not None  # a running record has its callables
+    dist.barrier(group=run.group("world"))
 
 
-def load(f: Any, partial: bool = True, **kwargs: Any) -> Any:
-    """smp's ``smp.load``: see `save`."""
-    raise RuntimeError(_SAVE_INSTEAD.format(call="smp.load"))
+def load(f: str | os.PathLike, partial: bool = True, **kwargs: Any) -> Any:
+    """smp's ``smp.load``: what `save` wrote for this rank (``partial``: this rank's ``<f>_<pp_rank>_<tp_rank>``,
+    written by the first replica's rank of the same place), on the CPU; ``kwargs`` go to ``torch.load``."""
+    path = _partial_path(f, current().ranks) if partial else os.fspath(f)
+    if not Path(path).is_file():
+        raise FileNotFoundError(
+            f"smp.load({os.fspath(f)!r}, partial={partial}) found no {path}: save it with smp.save(obj, "
+            f"{os.fspath(f)!r}, partial={partial}) first, under the same pipeline and tensor-parallel degrees, or use "
+            "smp.save_checkpoint / smp.resume_from_checkpoint, which load under any layout."
+        )
+    return torch.load(path, **{"map_location": "cpu", **kwargs})
 
 
-_SAVE_INSTEAD = (
-    "{call}() is not provided by lightning_smp: save the training state with trainer.save_checkpoint(path) or "
-    "smp.save_checkpoint(path, tag) (sharded, loadable under any layout), make one file of it with "
-    "lightning_smp.consolidate_checkpoint(path), and save other objects with torch.save / torch.load on the ranks "
-    "you choose (e.g. `if smp.rank() == 0:`)."
-)
+def _partial_path(f: str | os.PathLike, ranks: Any) -> str:
+    return f"{os.fspath(f)}_{ranks['pp']}_{ranks['tp']}"
 
 
 def resume_from_checkpoint(

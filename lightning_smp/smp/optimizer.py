@@ -13,6 +13,7 @@ from torch.optim import Optimizer
 
 from lightning_smp.config import SMPConfig
 from lightning_smp.smp.run import running
+from lightning_smp.smp.script import running_script
 
 __all__ = [
     "DistributedOptimizer",
@@ -32,14 +33,24 @@ def DistributedOptimizer(
 ) -> Optimizer:
     """smp's optimizer wrapper, with smp's defaults (``static_loss_scale=1.0``, ``dynamic_loss_scale=False``).
 
-    With ``fp16`` or ``bf16`` set on the strategy it returns the `MasterWeightOptimizer` that the strategy would
-    otherwise build (``optimizer.optimizer`` is the inner one; Lightning does not wrap it again); in fp32 it
-    returns ``optimizer`` unchanged. In fp16, when smp's defaults for the settings not given replace loss scaling
+    In an smp script (after ``smp.init()``) an optimizer built over the model before ``smp.DistributedModel`` split
+    it is re-pointed at the split model's parameters of the same names. With ``fp16`` or ``bf16`` set it returns the
+    `MasterWeightOptimizer` that the strategy would otherwise build (``optimizer.optimizer`` is the inner one;
+    Lightning does not wrap it again); in fp32 it returns ``optimizer`` unchanged (wrapped where ZeRO-1 or sharded
+    data parallelism keep masters apart). In fp16, when smp's defaults for the settings not given replace loss scaling
     configured otherwise on the strategy (its default is dynamic), it warns: pass them here, or return the plain
     optimizer from ``configure_optimizers`` and let the strategy wrap it with its own.
     """
     run = running("DistributedOptimizer", "build optimizers in configure_optimizers")
-    if run.wrap_optimizer is None:  # fp32
+    script = running_script()
+    if script is not None:  # an smp script: over the split model's parameters, kept for backward and checkpoints
+        optimizer = script.optimizer_over_split_model(optimizer)
+        wrap = script.wrap_optimizer
+    else:
+        wrap = run.wrap_optimizer
+    if wrap is None:  # fp32
+        if script is not None:
+            script.optimizers.append(optimizer)
         return optimizer
     given = {"static_loss_scale": static_loss_scale, "dynamic_loss_scale": dynamic_loss_scale}
     given = {**given, "dynamic_loss_args": dynamic_loss_args}
@@ -47,12 +58,15 @@ def DistributedOptimizer(
     settings = {**_SMP_SCALING, **given}
     if run.config.fp16:
         _warn_if_defaults_override(run.config, settings, given)
-    return run.wrap_optimizer(
+    wrapped = wrap(
         optimizer,
         dynamic_loss_scale=settings["dynamic_loss_scale"],
         static_loss_scale=1.0 if settings["static_loss_scale"] is None else settings["static_loss_scale"],
         dynamic_loss_args=dict(settings["dynamic_loss_args"] or {}),
     )
+    if script is not None:
+        script.optimizers.append(wrapped)
+    return wrapped
 
 
 def _warn_if_defaults_override(config: SMPConfig, settings: Mapping[str, Any], given: Mapping[str, Any]) -> None:

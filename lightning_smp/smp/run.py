@@ -1,7 +1,8 @@
 """The run the smp facade answers for: the record of the current or last run (`RunRecord`), which the running
 `SMPStrategy` hands over in ``setup_environment`` (`start_run`) and ends in ``teardown`` (`end_run`, keeping its facts
 and dropping its callables, so no process group, model or optimizer outlives the run here), `preview` of a layout
-without a run, and smp's configuration calls (``smp.state``, ``smp.init``, ...) that read it.
+without a run, and smp's configuration calls (``smp.state``, ``smp.num_microbatches``, ...) that read it. A
+script's run (``smp.init``) is started by `script`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
@@ -26,11 +26,9 @@ if TYPE_CHECKING:
 __all__ = [
     "AXES",
     "COLLECTIVES_AFTER_A_RUN",
-    "DistributedModel",
     "RunRecord",
     "current",
     "end_run",
-    "init",
     "is_initialized",
     "is_tracing",
     "num_microbatches",
@@ -38,7 +36,6 @@ __all__ = [
     "running",
     "start_run",
     "state",
-    "step",
 ]
 
 # smp's axis names → our topology's (smp's dp includes the tp ranks; its rdp is our dp)
@@ -107,8 +104,14 @@ _record = _ONE_PROCESS
 
 
 def start_run(record: RunRecord) -> None:
-    """Make ``record`` the run the facade answers for (the strategy calls it in ``setup_environment``)."""
+    """Make ``record`` the run the facade answers for (the strategy calls it in ``setup_environment``,
+    ``smp.init()`` for a script)."""
     global _record
+    if _record.running:
+        raise RuntimeError(
+            "A run is already under way in this process (an smp script's smp.init(), or another Trainer's fit): use "
+            "either an smp script or a Trainer in one process, not both, and one Trainer at a time."
+        )
     _record = record
 
 
@@ -159,7 +162,8 @@ def running(caller: str, instead: str) -> RunRecord:
             f"smp.{caller}() needs a running SMPStrategy: it works on the run's process groups, model or optimizers, "
             "which it reaches only while Trainer.fit/validate/test/predict runs. Call it inside the LightningModule's "
             f"hooks (configure_model, configure_optimizers, training_step, ...); {instead}. Ranks, sizes and "
-            "smp.state.cfg answer outside a run too (from the last run, or as one process before any)."
+            "smp.state.cfg answer outside a run too (from the last run, or as one process before any); in an smp "
+            "script, call smp.init() first."
         )
     return _record
 
@@ -192,15 +196,6 @@ class _State:
 state = _State()
 
 
-def init(config: Mapping[str, Any] | None = None) -> None:
-    """smp.init has no job under Lightning: the strategy initialises everything from its own config."""
-    raise RuntimeError(
-        "smp.init() is not needed with lightning_smp: pass the same parameters to the strategy instead, e.g. "
-        "Trainer(strategy=lightning_smp.SMPStrategy.from_smp_options(smp_options)) or "
-        "SMPStrategy(pipeline_parallel_degree=..., microbatches=...), and remove the smp.init() call."
-    )
-
-
 def is_initialized() -> bool:
     """smp's ``smp.is_initialized()``: whether a run is under way (``smp.state.initialized``)."""
     return _record.running
@@ -214,21 +209,3 @@ def is_tracing() -> bool:
 def num_microbatches() -> int:
     """smp's ``smp.num_microbatches()``: the run's ``microbatches`` (the last run's, or 1 before any)."""
     return _record.config.microbatches
-
-
-def DistributedModel(module: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.nn.Module:
-    """smp wrapped the model itself; under Lightning the strategy wraps the LightningModule."""
-    raise RuntimeError(
-        "smp.DistributedModel(...) is not needed with lightning_smp: SMPStrategy splits and wraps the "
-        "LightningModule's layers when training starts. Build the model in the LightningModule (in `configure_model`, "
-        "under smp.model_creation(...) if you used it) and remove the smp.DistributedModel call."
-    )
-
-
-def step(function: Any = None, **kwargs: Any) -> Any:
-    """smp's ``@smp.step`` ran its body per microbatch; ``training_step`` does that under lightning_smp."""
-    raise RuntimeError(
-        "@smp.step is not needed with lightning_smp: put the step's body in the LightningModule's training_step "
-        "(and validation_step / test_step), which runs once per microbatch on every rank as @smp.step did, and "
-        "return the loss instead of calling model.backward(loss)."
-    )

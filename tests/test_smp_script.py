@@ -1,0 +1,226 @@
+"""smp v1 scripts run unchanged but for the import (`lightning_smp.smp.script`, `model`, `step`): ``smp.init``,
+``smp.DistributedModel``, ``smp.DistributedOptimizer`` and ``@smp.step`` with ``model.backward(loss)``, trained in
+every layout against the plain single-process torch run of the same model and data (`tests/parity.py`), checkpoints
+resumed under another layout, and the mistakes a script can make.
+
+`_script` is the training loop of AWS's examples, shrunk: the model built (under ``smp.model_creation``), wrapped,
+its optimizer built over the wrapped model's parameters (or before wrapping, as the MNIST example does), the data
+sharded by ``smp.dp_rank()`` / ``smp.dp_size()``, and per step ``train_step(model, inputs, targets)`` then
+``optimizer.step()``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_smp import smp
+from tests.distributed import run_distributed
+from tests.gpt import VOCAB, WIDTH, token_batches
+from tests.parity import FP16_REL, FP32_REL, mean_losses, single_device_run
+
+STEPS, BATCH, LR = 4, 8, 1e-2  # BATCH: the global batch, read in shares by smp.dp_size() ranks
+DATASET = TensorDataset(*token_batches(seed=3, samples=64))
+TIMEOUT = 120.0
+
+
+class ScriptGPT(nn.Module):
+    """A plain torch GPT as smp scripts build one: embeddings, a ModuleList of torch transformer layers (the trunk
+    a pipeline splits, the layers tensor parallelism splits), a head tied to the token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True) for _ in range(4)
+        )
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        hidden = self.embedding(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+
+class _Recipe(ScriptGPT):
+    """The reference's view of the script: its optimizer and its data, as `single_device_run` reads them."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(DATASET, batch_size=BATCH // self.replicas)
+
+    replicas = 1
+
+
+def _loss(model: nn.Module, batch: tuple[Tensor, Tensor], step: int = 0) -> Tensor:
+    inputs, targets = batch
+    return F.cross_entropy(model(inputs).reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def _reference(replicas: int, *, fp16: bool = False, clip_norm: float | None = None) -> dict:
+    """The plain torch run of the script's model on the global batch (``replicas`` shares of it in order)."""
+    _Recipe.replicas = replicas
+    return single_device_run(_Recipe, _loss, steps=STEPS, replicas=replicas, fp16=fp16, clip_norm=clip_norm)
+
+
+@smp.step
+def train_step(model: smp.DistributedModel, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+    output = model(inputs)
+    loss = F.cross_entropy(output.reshape(-1, VOCAB), targets.reshape(-1))
+    model.backward(loss)
+    return output, loss
+
+
+@smp.step
+def evaluation_step(model: smp.DistributedModel, inputs: Tensor, targets: Tensor) -> float:
+    return F.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1)).item()
+
+
+def _script(rank: int, config: dict, options: dict) -> dict:
+    """An smp v1 training script: ``options`` says how it builds its optimizer (``"before_wrapping"``), whether it
+    saves a checkpoint after a step (``"save_after"``, into ``"directory"``) or resumes from one (``"resume"``)."""
+    smp.init(config)
+    torch.manual_seed(0)
+    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+        model = ScriptGPT()
+    if options.get("before_wrapping"):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+        model = smp.DistributedModel(model)
+    else:
+        model = smp.DistributedModel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})
+    sampler = DistributedSampler(DATASET, num_replicas=smp.dp_size(), rank=smp.dp_rank(), seed=0)
+    loader = DataLoader(DATASET, batch_size=BATCH // smp.dp_size(), sampler=sampler)
+    first = smp.resume_from_checkpoint(options["directory"])["step"] if options.get("resume") else 0
+    losses = []
+    for step, (inputs, targets) in enumerate(loader):
+        if step >= STEPS:
+            break
+        if step < first:
+            continue
+        optimizer.zero_grad()
+        _, loss = train_step(model, inputs, targets)
+        optimizer.step()
+        losses.append(loss.reduce_mean().item())
+        if step + 1 == options.get("save_after"):
+            smp.save_checkpoint(options["directory"], tag=f"step{step + 1}", user_content={"step": step + 1})
+    model.eval()
+    with torch.no_grad():
+        evaluation = evaluation_step(model, *next(iter(loader)))
+    return {
+        "losses": losses,
+        "dp": smp.dp_rank(),  # smp's: the ranks reading one share of the data
+        "skipped": float(getattr(optimizer, "skipped_steps", torch.tensor(0.0))),
+        "scale": getattr(optimizer, "loss_scale", None) if config.get("fp16") else None,
+        "evaluation": evaluation.outputs,
+        "microbatches": smp.num_microbatches(),
+    }
+
+
+def _run(world_size: int, config: dict, **options: object) -> list[dict]:
+    return run_distributed(_script, world_size, config, options, timeout=TIMEOUT)
+
+
+LAYOUTS = {  # name: (world size, smp config, data-parallel shares of the batch)
+    "one process, smp defaults": (1, {}, 1),
+    "dp2 m2": (2, {"microbatches": 2, "ddp": True}, 2),
+    "tp2": (2, {"tensor_parallel_degree": 2}, 2),
+    "pp2 interleaved m2": (2, {"pipeline_parallel_degree": 2, "microbatches": 2}, 1),
+    "pp2 simple m4": (2, {"partitions": 2, "microbatches": 4, "pipeline": "simple"}, 1),
+    "dp2 ZeRO-1": (2, {"shard_optimizer_state": True, "microbatches": 2}, 2),
+    "sdp2": (2, {"sharded_data_parallel_degree": 2}, 2),  # clips at smp's sdp_gradient_clipping=1.0
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_a_script_trains_as_the_single_process_torch_run(layout: str) -> None:
+    world_size, config, shares = LAYOUTS[layout]
+    runs = _run(world_size, config)
+    reference = _reference(shares, clip_norm=1.0 if "sharded_data_parallel_degree" in config else None)
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP32_REL)
+    assert runs[0]["microbatches"] == config.get("microbatches", 1)
+    assert len(runs[0]["evaluation"]) == config.get("microbatches", 1)  # a number per microbatch, as smp's
+    assert all(run["evaluation"] == runs[0]["evaluation"] for run in runs if run["dp"] == runs[0]["dp"])
+
+
+def test_fp16_pp2_tp2_skips_the_steps_the_torch_run_skips() -> None:
+    config = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2, "fp16": True}
+    runs = _run(4, config)
+    reference = _reference(2, fp16=True)
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
+    for run in runs:
+        assert (run["skipped"], run["scale"]) == (reference["skipped"], reference["scale"])
+
+
+def test_fp16_dp2_with_the_optimizer_built_before_wrapping() -> None:
+    runs = _run(2, {"fp16": True, "microbatches": 2}, before_wrapping=True)
+    reference = _reference(2, fp16=True)
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
+    assert runs[0]["skipped"] == reference["skipped"]
+
+
+def test_a_pp2_checkpoint_resumes_at_tp2_as_the_uninterrupted_run(tmp_path: Path) -> None:
+    directory = str(tmp_path / "checkpoints")
+    _run(2, {"pipeline_parallel_degree": 2, "microbatches": 2}, save_after=2, directory=directory)
+    assert (tmp_path / "checkpoints" / "newest").read_text().strip() == "step2"
+    resumed = _run(2, {"tensor_parallel_degree": 2}, resume=True, directory=directory)
+    reference = _reference(2)
+    assert mean_losses(resumed, replica="dp", steps=STEPS - 2) == pytest.approx(reference["losses"][2:], rel=FP32_REL)
+
+
+def _partial_files(rank: int, directory: str) -> dict:
+    smp.init({"pipeline_parallel_degree": 2})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(ScriptGPT())
+    smp.save(model.local_state_dict(), os.path.join(directory, "model.pt"), partial=True)
+    loaded = smp.load(os.path.join(directory, "model.pt"), partial=True)
+    return {"same": all(torch.equal(loaded[k], v) for k, v in model.local_state_dict().items())}
+
+
+def test_smp_save_and_load_write_one_file_per_model_parallel_rank(tmp_path: Path) -> None:
+    runs = run_distributed(_partial_files, 2, str(tmp_path), timeout=TIMEOUT)
+    assert all(run["same"] for run in runs)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["model.pt_0_0", "model.pt_1_0"]
+
+
+def _mistakes(rank: int) -> dict:
+    errors = {}
+    with pytest.raises(RuntimeError, match=r"smp.init\(\) first") as error:
+        smp.DistributedModel(ScriptGPT())
+    errors["before init"] = str(error.value)
+    smp.init({"microbatches": 2})
+    with pytest.raises(RuntimeError, match="DistributedModel") as error:
+        train_step(None, torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long))
+    errors["step before the model"] = str(error.value)
+    model = smp.DistributedModel(ScriptGPT())
+    with pytest.raises(RuntimeError, match=r"@smp\.step"):
+        model.backward(torch.zeros(()))
+    with pytest.raises(ValueError, match="microbatches=2 does not divide"):
+        train_step(model, torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="once per process"):
+        smp.init()
+    return errors
+
+
+def test_a_scripts_mistakes_end_in_errors_that_name_the_fix() -> None:
+    (errors,) = run_distributed(_mistakes, 1, timeout=TIMEOUT)
+    assert "smp.init(config)" in errors["before init"]
+    assert "smp.DistributedModel(model)" in errors["step before the model"]
+
+
+def test_the_config_comes_from_sm_hp_mp_parameters_as_in_smp() -> None:
+    (run,) = run_distributed(
+        _script, 1, {"microbatches": 4}, {}, timeout=TIMEOUT, env={"SM_HP_MP_PARAMETERS": '{"microbatches": 2}'}
+    )
+    assert run["microbatches"] == 2
