@@ -36,6 +36,7 @@ from lightning_smp.pipeline.partition import (
 )
 from lightning_smp.pipeline.runtime import PipelineEngine, build_engine
 from lightning_smp.pipeline.trace import measure_children
+from lightning_smp.reduction import ReductionPlan
 from lightning_smp.tensor_parallel.comm import ShapeOnlyGroup
 from lightning_smp.tensor_parallel.plan import TensorParallelPlan, plan_tensor_parallel
 
@@ -154,13 +155,15 @@ def plan_and_apply(
     config: SMPConfig,
     device: torch.device,
     engine: PipelineEngine | None = None,
+    reduction: ReductionPlan | None = None,
     offloader: ActivationOffloader | None = None,
 ) -> PipelineEngine | None:
     """Split ``model`` in place for this rank of ``topology``: tensor parallelism, activation checkpointing, this
     rank's pipeline stage (in this order: see `activation_checkpointing`), then under sharded data parallelism
     FSDP2's shards. A model on the meta device is planned, pruned and sharded so, then only what this rank keeps is
     materialised, on ``device`` (the values a single-device build gives: its recorded initialisation, or its
-    checkpoint files). Returns the pipeline engine (``engine`` when a later fit/validate reuses it), or None.
+    checkpoint files). Returns the pipeline engine (``engine`` when a later fit/validate reuses it), or None; a new
+    engine reduces its stage's gradients over the replicas as the run's ``reduction`` plan says (needed then).
     ``offloader`` keeps what checkpointed modules save under ``offload_activations`` (an `ActivationOffloader` by
     default; the memory planner passes one that counts).
 
@@ -188,7 +191,11 @@ def plan_and_apply(
             costs = measure_children(model, trunk, built.partition.children, example)
             built = _partitioned(built, model, costs, config, stages)
         assert built.partition is not None and built.outside is not None
-        engine = build_engine(model, topology=topology, config=config, plan=built.partition, outside=built.outside)
+        if reduction is None:
+            raise TypeError("plan_and_apply builds a pipeline engine: pass the run's `reduction` plan.")
+        engine = build_engine(
+            model, topology=topology, config=config, plan=built.partition, outside=built.outside, reduction=reduction
+        )
     pending = pending_values(model) if on_meta else None  # taken before FSDP2 replaces the parameters
     if topology.sdp > 1:
         sharded_data_parallel.shard(model, units=built.shard_units, topology=topology, config=config)

@@ -332,8 +332,14 @@ class SMPStrategy(DDPStrategy):
                 "needs automatic optimization; remove `self.automatic_optimization = False` (with one optimizer) or "
                 "set pipeline_parallel_degree=1."
             )
+        run = self.run
         pipeline = build.plan_and_apply(
-            model, topology=self.topology, config=self._config, device=self.root_device, engine=self.pipeline
+            model,
+            topology=run.topology,
+            config=run.config,
+            device=self.root_device,
+            engine=self.pipeline,
+            reduction=run.reduction,
         )
         microbatches = self._config.microbatches if pipeline is not None else 1
         self._engine = StepEngine(self.run, pipeline, functools.partial(_split_batch, microbatches=microbatches))

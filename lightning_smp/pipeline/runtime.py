@@ -43,10 +43,10 @@ from lightning_smp.pipeline.results import StepRecord, StepResults
 from lightning_smp.pipeline.split_backward import BackwardSplitter, WeightGradients
 from lightning_smp.pipeline.stage import StageExit, TrunkRouter, hold_outside
 from lightning_smp.placement import mark_norm_duplicate
-from lightning_smp.reduction import plan_reduction
 
 if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
+    from lightning_smp.reduction import ReductionPlan
     from lightning_smp.topology import Topology
 
 __all__ = ["PipelineEngine", "build_engine"]
@@ -55,11 +55,18 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(
-    module: nn.Module, *, topology: Topology, config: SMPConfig, plan: PartitionPlan, outside: OutsidePlan
+    module: nn.Module,
+    *,
+    topology: Topology,
+    config: SMPConfig,
+    plan: PartitionPlan,
+    outside: OutsidePlan,
+    reduction: ReductionPlan,
 ) -> PipelineEngine:
     """Print the partition ``plan`` (rank 0), keep this rank's stage of it in ``module`` (in place: other stages'
     trunk children and the modules ``outside`` the trunk that it does not hold become placeholders) and return the
-    engine that runs its steps. The plan is `lightning_smp.build`'s."""
+    engine that runs its steps, reducing over the replicas as the run's ``reduction`` plan says. The partition plan
+    is `lightning_smp.build`'s."""
     trunk_params = [sum(plan.children[i].params for i in plan.owned(s)) for s in range(plan.stages)]
     per_stage = [a + b for a, b in zip(trunk_params, outside.params_per_stage, strict=True)]
     if 0 in per_stage:
@@ -79,8 +86,8 @@ def build_engine(
     log.debug("PipelineEngine: stage %d of %d holds trunk children %s", stage, topology.pp, plan.owned(stage))
     router = TrunkRouter(module.get_submodule(plan.trunk), plan, stage)
     hold_outside(module, outside, router)
-    reduction = StageGradientReduction(topology=topology, plan=plan_reduction(config, topology))
-    engine = PipelineEngine(module, layout=layout, router=router, topology=topology, config=config, reduce=reduction)
+    reduce = StageGradientReduction(topology=topology, plan=reduction)
+    engine = PipelineEngine(module, layout=layout, router=router, topology=topology, config=config, reduce=reduce)
     if topology.pp > 1 and topology.is_last_stage:
         for param in engine.tied_parameters:
             mark_norm_duplicate(param, axis="pp")  # the first stage's copy counts in the global norm
