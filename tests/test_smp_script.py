@@ -14,15 +14,17 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_smp import smp
+from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
 from tests.gpt import VOCAB, WIDTH, token_batches
+from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, mean_losses, single_device_run
 
 STEPS, BATCH, LR = 4, 8, 1e-2  # BATCH: the global batch, read in shares by smp.dp_size() ranks
@@ -67,10 +69,10 @@ def _loss(model: nn.Module, batch: tuple[Tensor, Tensor], step: int = 0) -> Tens
     return F.cross_entropy(model(inputs).reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-def _reference(replicas: int, *, fp16: bool = False, clip_norm: float | None = None) -> dict:
+def _reference(replicas: int, *, fp16: bool = False, clip_norm: float | None = None, steps: int = STEPS) -> dict:
     """The plain torch run of the script's model on the global batch (``replicas`` shares of it in order)."""
     _Recipe.replicas = replicas
-    return single_device_run(_Recipe, _loss, steps=STEPS, replicas=replicas, fp16=fp16, clip_norm=clip_norm)
+    return single_device_run(_Recipe, _loss, steps=steps, replicas=replicas, fp16=fp16, clip_norm=clip_norm)
 
 
 @smp.step
@@ -105,7 +107,7 @@ def _script(rank: int, config: dict, options: dict) -> dict:
     first = smp.resume_from_checkpoint(options["directory"])["step"] if options.get("resume") else 0
     losses = []
     for step, (inputs, targets) in enumerate(loader):
-        if step >= STEPS:
+        if step >= options.get("steps", STEPS):
             break
         if step < first:
             continue
@@ -177,6 +179,56 @@ def test_a_pp2_checkpoint_resumes_at_tp2_as_the_uninterrupted_run(tmp_path: Path
     resumed = _run(2, {"tensor_parallel_degree": 2}, resume=True, directory=directory)
     reference = _reference(2)
     assert mean_losses(resumed, replica="dp", steps=STEPS - 2) == pytest.approx(reference["losses"][2:], rel=FP32_REL)
+
+
+class LitScriptGPT(pl.LightningModule):
+    """The script's model as a LightningModule, under the same parameter names: the Trainer's side of a checkpoint
+    that goes from a script to a Trainer and back. It resumes the script's newest checkpoint when fit starts, trains
+    on the batches the reference trains on at steps 2 and 3, and saves in smp's layout when training ends."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        gpt = ScriptGPT()
+        self.embedding, self.layers, self.head = gpt.embedding, gpt.layers, gpt.head
+        self.directory, self.losses = directory, []
+
+    forward = ScriptGPT.forward
+
+    def on_fit_start(self) -> None:
+        assert smp.resume_from_checkpoint(self.directory) == {"step": 2}
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = _loss(self, batch)
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_end(self) -> None:
+        smp.save_checkpoint(self.directory, tag="step4", user_content={"step": 4})
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR)
+
+    def train_dataloader(self) -> DataLoader:
+        order = list(DistributedSampler(DATASET, num_replicas=1, rank=0, seed=0))  # the reference's epoch 0
+        batches = [DATASET[torch.tensor(order[step * BATCH : (step + 1) * BATCH])] for step in (2, 3)]
+        return DataLoader(batches, batch_size=None)
+
+
+def _trainer_steps_2_and_3(rank: int, directory: str) -> list[float]:
+    model = LitScriptGPT(directory)
+    quiet_trainer(SMPStrategy(), max_steps=2, use_distributed_sampler=False).fit(model)
+    return model.losses
+
+
+def test_a_checkpoint_goes_from_a_script_to_a_trainer_and_back(tmp_path: Path) -> None:
+    directory = str(tmp_path)
+    _run(2, {"pipeline_parallel_degree": 2, "microbatches": 2}, save_after=2, directory=directory)
+    (trainer_losses,) = run_distributed(_trainer_steps_2_and_3, 1, directory, timeout=TIMEOUT)
+    resumed = _run(2, {"tensor_parallel_degree": 2}, resume=True, directory=directory, steps=6)
+    reference = _reference(1, steps=6)
+    assert trainer_losses == pytest.approx(reference["losses"][2:4], rel=FP32_REL)
+    assert mean_losses(resumed, replica="dp", steps=2) == pytest.approx(reference["losses"][4:6], rel=FP32_REL)
 
 
 def _partial_files(rank: int, directory: str) -> dict:

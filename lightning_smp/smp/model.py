@@ -47,8 +47,17 @@ class DistributedModel(nn.Module):
             )
         super().__init__()
         run = script.run
+        if run.topology.pp > 1 and isinstance(module, nn.Sequential | nn.ModuleList):
+            raise ValueError(
+                f"smp.DistributedModel was given an {type(module).__name__} with pipeline_parallel_degree > 1: the "
+                "pipeline splits a sequential container inside the model, and the model's own forward runs on every "
+                "stage. Wrap it in a module that holds it as an attribute (`self.layers = layers`, forward "
+                "`return self.layers(x)`), as models built for smp are."
+            )
         self._names_before_split = {id(param): name for name, param in module.named_parameters()}
-        pipeline = build.plan_and_apply(module, topology=run.topology, config=run.config, device=script.device)
+        pipeline = build.plan_and_apply(
+            module, topology=run.topology, config=run.config, device=script.device, reduction=run.reduction
+        )
         if not run.reduction.sharded_parameters:  # FSDP2 has put its shards on the device
             module.to(script.device)
         script.rules.convert_module(module)

@@ -122,8 +122,11 @@ class ScriptRun:
         )
 
     def forget_process_groups(self) -> None:
-        """At exit (`fault_tolerance.close_process_groups`): drop every reference to the run's groups."""
+        """At exit (`fault_tolerance.close_process_groups`): the pipeline's stages settle (no stage leaves before
+        every stage has its last step's result), then every reference to the run's groups is dropped."""
         if self.model is not None:
+            if dist.is_initialized():
+                self.model.engine.settle()
             self.model.forget_process_groups()
         checkpointing.forget_save_group()
         self.model, self.optimizers = None, []
