@@ -6,7 +6,9 @@ Each rank reads what the strategy's ``distributed_sampler_kwargs`` give it, thro
 without shuffling, the order `single_device_run(shuffle=False)` assembles its global batches in.
 """
 
+import importlib.util
 import os
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -27,6 +29,7 @@ from tests.models import mlp, random_dataset
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, single_device_run
 
 BATCH = 4  # samples per rank and step
+_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fabric" / "train.py"
 STEPS = 6
 INIT_SCALE = 2.0**17  # fp16: high enough that the first step overflows and is skipped, on every layout (see `_mse`)
 
@@ -243,3 +246,16 @@ def test_names_are_registered_with_fabric_and_settings_are_checked():
         SMPFabricStrategy(tensor_paralel_degree=2)
     with pytest.raises(ValueError, match="Remove `precision=`"):
         L.Fabric(accelerator="cpu", devices=1, strategy="smp_fp16", precision="bf16-mixed")
+
+
+def _example(rank: int, argv: list[str]) -> float:
+    spec = importlib.util.spec_from_file_location("fabric_train", _EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.main(argv)
+
+
+def test_the_fabric_example_learns_at_tp2_in_fp16():
+    losses = run_distributed(_example, 2, ["--devices", "2", "--tp", "2", "--steps", "40"], timeout=90)
+    assert losses[0] == losses[1] < 3.5  # from ln(64) = 4.16; fp16's first steps are skipped while the scale falls
