@@ -96,12 +96,16 @@ def _train(
     steps: int = STEPS,
     clip: float | None = None,
     save_to: str | None = None,
+    empty_init: bool = False,
 ) -> dict[str, Any]:
-    """One rank of a Fabric run: ``steps`` steps of the loop, its losses, overflow record and final weights."""
+    """One rank of a Fabric run: ``steps`` steps of the loop, its losses, overflow record and final weights;
+    ``empty_init``: the model built on the meta device (``fabric.init_module(empty_init=True)``)."""
     fabric, strategy = _fabric(settings)
     build, loss_of = _MODELS[model_name]
     torch.manual_seed(0)
-    model = build()
+    with fabric.init_module(empty_init=empty_init):
+        model = build()
+        built_on_meta = next(model.parameters()).is_meta
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     dataset = model.train_dataloader().dataset
@@ -123,6 +127,7 @@ def _train(
         "scale": inner.loss_scale if isinstance(inner, MasterWeightOptimizer) and inner.loss_scaler else None,
         "weights": {k: v.detach().float().clone() for k, v in strategy.split_model.state_dict().items()},
         "ddp": isinstance(model._forward_module, nn.parallel.DistributedDataParallel),
+        "built_on_meta": built_on_meta,
         "split": any(isinstance(module, TensorParallelModule) for module in strategy.split_model.modules()),
     }
     if save_to is not None:
@@ -132,16 +137,21 @@ def _train(
 
 
 def _adam_state(strategy: SMPFabricStrategy, optimizer: Any) -> dict[str, Tensor]:
-    """Adam's ``exp_avg`` of every parameter, by name."""
+    """Adam's ``exp_avg`` of every parameter, by name (none for SGD, or over fp32 masters)."""
+    if isinstance(optimizer, MasterWeightOptimizer):
+        return {}
     names = {id(p): n for n, p in strategy.split_model.named_parameters()}
-    return {names[id(p)]: optimizer.state[p]["exp_avg"].clone() for g in optimizer.param_groups for p in g["params"]}
+    params = [p for group in optimizer.param_groups for p in group["params"] if "exp_avg" in optimizer.state[p]]
+    return {names[id(p)]: optimizer.state[p]["exp_avg"].clone() for p in params}
 
 
-def _load(rank: int, settings: dict[str, Any], path: str) -> dict[str, Any]:
+def _load(rank: int, settings: dict[str, Any], path: str, model_name: str = "mlp") -> dict[str, Any]:
     """One rank of a fresh run that loads ``path``: its weights, optimizer state and what the state got back."""
     fabric, strategy = _fabric(settings)
-    torch.manual_seed(1)  # other initial weights: the load must replace them
-    model = Regressor()
+    model = _MODELS[model_name][0]()
+    with torch.no_grad():  # other weights than the saved run's: the load must replace them
+        for param in model.parameters():
+            param.add_(1.0)
     optimizer = model.configure_optimizers()
     model, optimizer = fabric.setup(model, optimizer)
     state = {"model": model, "optimizer": optimizer, "step": 0}
@@ -151,15 +161,18 @@ def _load(rank: int, settings: dict[str, Any], path: str) -> dict[str, Any]:
         "state": _adam_state(strategy, optimizer.optimizer),
         "step": state["step"],
         "remainder": sorted(remainder),
+        "scale": optimizer.loss_scale if isinstance(optimizer.optimizer, MasterWeightOptimizer) else None,
     }
 
 
-def _reference(model_name: str, *, replicas: int, fp16: bool = False, clip: float | None = None) -> dict[str, Any]:
+def _reference(
+    model_name: str, *, replicas: int, fp16: bool = False, clip: float | None = None, steps: int = STEPS
+) -> dict[str, Any]:
     build, loss_of = _MODELS[model_name]
     return single_device_run(
         build,
         loss_of,
-        steps=STEPS,
+        steps=steps,
         replicas=replicas,
         fp16=fp16,
         init_scale=INIT_SCALE,
@@ -225,8 +238,35 @@ def test_save_at_dp2_loads_at_dp1(tmp_path):
     assert loaded["step"] == 3 and loaded["remainder"] == []
     for name, value in saved[0]["weights"].items():
         torch.testing.assert_close(loaded["weights"][name], value, rtol=0, atol=0, msg=name)
+    assert saved[0]["state"], "Adam has state after three steps"
     for name, value in saved[0]["state"].items():
         torch.testing.assert_close(loaded["state"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_save_at_tp2_loads_at_dp1_as_one_device_trained_it(tmp_path):
+    path = str(tmp_path / "tp2.ckpt")
+    run_distributed(_train, 2, {"tensor_parallel_degree": 2}, "gpt", 3, None, path, timeout=90)
+    (loaded,) = run_distributed(_load, 1, {}, path, "gpt", timeout=60)
+    assert loaded["step"] == 3
+    reference = _reference("gpt", replicas=2, steps=3)
+    for name, value in reference["weights"].items():
+        torch.testing.assert_close(loaded["weights"][name], value, rtol=FP32_REL, atol=1e-6, msg=name)
+
+
+def test_save_at_dp2_zero1_fp16_loads_at_dp1_fp16_with_its_loss_scale(tmp_path):
+    path = str(tmp_path / "zero1.ckpt")
+    settings = {"fp16": True, "shard_optimizer_state": True, "dynamic_loss_args": {"init_scale": INIT_SCALE}}
+    saved = run_distributed(_train, 2, settings, "mlp", 3, None, path, timeout=60)
+    (loaded,) = run_distributed(_load, 1, {"fp16": True}, path, timeout=60)
+    assert saved[0]["skipped"] == 1 and loaded["scale"] == saved[0]["scale"] == INIT_SCALE / 2
+    for name, value in saved[0]["weights"].items():  # fp16 parameters, from the same fp32 masters
+        torch.testing.assert_close(loaded["weights"][name], value, rtol=0, atol=0, msg=name)
+
+
+def test_delayed_initialisation_gives_the_single_device_values():
+    runs = run_distributed(_train, 2, {"delayed_parameter_initialization": True}, "mlp", timeout=60)
+    assert all(run["built_on_meta"] and run["ddp"] for run in runs)
+    _assert_fp32_matches(runs, _reference("mlp", replicas=2))
 
 
 def _pipeline(rank: int) -> None:
