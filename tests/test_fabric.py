@@ -269,6 +269,27 @@ def test_delayed_initialisation_gives_the_single_device_values():
     _assert_fp32_matches(runs, _reference("mlp", replicas=2))
 
 
+def _setup_apart(rank: int) -> dict[str, Any]:
+    """``fabric.setup_module`` then an optimizer over the set-up model; and one over the unsplit model, refused."""
+    fabric, _ = _fabric({"tensor_parallel_degree": 2, "fp16": True})
+    torch.manual_seed(0)
+    model = FabricGPT()
+    stale = torch.optim.SGD(model.parameters(), lr=0.1)  # over the parameters tensor parallelism replaces
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        fabric.setup_optimizers(stale)
+    except ValueError as error:
+        refusal = str(error)
+    return {"wrapped": isinstance(optimizer.optimizer, MasterWeightOptimizer), "refusal": refusal}
+
+
+def test_setup_module_then_setup_optimizers_and_an_optimizer_over_the_unsplit_model_is_refused():
+    for run in run_distributed(_setup_apart, 2, timeout=60):
+        assert run["wrapped"]
+        assert "Build the optimizer over the set-up model's `model.parameters()`" in run["refusal"]
+
+
 def _pipeline(rank: int) -> None:
     fabric, _ = _fabric({"pipeline_parallel_degree": 2})
     fabric.setup(Regressor())
