@@ -1,7 +1,8 @@
 """lightning_smp: SageMaker-model-parallel-style training (smp v1) as a PyTorch Lightning strategy.
 
 ``import lightning_smp`` registers the strategy names (``smp``, ``smp_fp16``, ``smp_bf16`` and their fork-launched
-variants for notebooks) and shows lightning_smp's own INFO lines on rank 0 (`_show_info_on_rank_zero`);
+variants for notebooks) with the Trainer and ``smp``, ``smp_fp16``, ``smp_bf16`` with Lightning Fabric, and shows
+lightning_smp's own INFO lines on rank 0 (`_show_info_on_rank_zero`);
 ``from lightning_smp import smp`` gives the smp-compatible facade.
 """
 
@@ -12,6 +13,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_smp import smp
 from lightning_smp.checkpoint import consolidate_checkpoint, consolidated_state_dict, export_hf
 from lightning_smp.config import SMPConfig
+from lightning_smp.fabric import SMPFabricPrecision, SMPFabricStrategy, register_fabric_strategies
 from lightning_smp.loss_scaler import DynamicLossScaler, StaticLossScaler
 from lightning_smp.memory import estimate_memory, fitting_layouts
 from lightning_smp.optimizer import MasterWeightOptimizer
@@ -24,6 +26,8 @@ __all__ = [
     "DynamicLossScaler",
     "MasterWeightOptimizer",
     "SMPConfig",
+    "SMPFabricPrecision",
+    "SMPFabricStrategy",
     "SMPPrecision",
     "SMPStrategy",
     "StaticLossScaler",
@@ -59,3 +63,4 @@ def _show_info_on_rank_zero() -> None:
 
 _show_info_on_rank_zero()
 register_strategies()
+register_fabric_strategies()

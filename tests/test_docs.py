@@ -338,6 +338,7 @@ _GROUPS = {
 _GROUP_OF_PATH = {
     "config.py": "Configuring the strategy",
     "strategy.py": "Configuring the strategy",
+    "fabric/": "Configuring the strategy",  # the Lightning Fabric door
     "smp_options.py": "Configuring the strategy",
     "topology.py": "Launching and failures",
     "reduction.py": "Launching and failures",  # the plan of who reduces gradients; raises nothing of its own
