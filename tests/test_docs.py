@@ -346,6 +346,7 @@ _GROUP_OF_PATH = {
     "collectives.py": "Launching and failures",  # which way an all-gather or reduce-scatter runs; raises nothing
     "fault_tolerance.py": "Launching and failures",
     "engine.py": "Launching and failures",  # the run's context and its steps; raises nothing of its own
+    "model_setup.py": "Launching and failures",  # a model set up outside the Trainer; raises nothing of its own
     "preemption.py": "Launching and failures",
     "data_position.py": "Launching and failures",
     "_compat.py": "Launching and failures",  # other libraries' private names; raises nothing of its own

@@ -36,10 +36,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_smp import build, tp_batches
 from lightning_smp import checkpoint as checkpointing
+from lightning_smp import model_setup, tp_batches
 from lightning_smp import smp as smp_facade
-from lightning_smp._compat import sync_module_states
 from lightning_smp.checkpoint.verification import RECORD
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
@@ -224,39 +223,26 @@ class SMPFabricStrategy(DDPStrategy):
         """``fabric.setup(model, optimizer)``: the optimizers were built over the unsplit model; tensor parallelism,
         FSDP2 and materialisation replace parameters, so each optimizer is re-pointed at the split model's
         parameters of the same names before it is wrapped."""
-        names = _names_by_param(module)
+        names = model_setup.parameter_names(module)
         for optimizer in optimizers:
             _refuse_stepped(optimizer)
         wrapped = self.setup_module(module)
-        split = _plain(wrapped)
         for optimizer in optimizers:
-            _repoint(optimizer, names, split)
+            _repoint(optimizer, names, module)
         return wrapped, [self.setup_optimizer(optimizer) for optimizer in optimizers], scheduler
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
-        """Split ``module`` for this rank (`build.plan_and_apply`), cast it, and wrap it where DDP reduces."""
-        topology, reduction = self.topology, self.run.reduction
+        """Split ``module`` for this rank, cast it, and wrap it where DDP reduces (`model_setup.set_up_model`)."""
+        topology = self.topology
         _refuse_unsupported_layout(topology)
-        build.plan_and_apply(module, topology=topology, config=self._config, device=self.root_device)
-        self.precision.rules.convert_module(module)
-        if not reduction.sharded_parameters:  # FSDP2 has placed its shards; `Module.to` would replace them
-            module.to(self.root_device)
+        set_up = model_setup.set_up_model(
+            module, run=self.run, rules=self.precision.rules, device=self.root_device, ddp_kwargs=self._ddp_kwargs
+        )
         if topology.tp > 1 and not self._config.prescaled_batch:
             train_on_group_batches(module, topology=topology)
         self._model = module
-        if reduction.wraps_ddp:
-            return DistributedDataParallel(
-                module,
-                device_ids=self._determine_ddp_device_ids(),
-                process_group=topology.group(reduction.axis),
-                **self._ddp_kwargs,
-            )
-        if reduction.syncs_replicas_at_setup:  # the optimizer reduces (ZeRO-1): the replicas start equal here
-            sync_module_states(
-                module, topology.group(reduction.axis), 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set()
-            )
-        return module
+        return set_up.forward
 
     @override
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -458,14 +444,6 @@ def _refuse_unsupported_layout(topology: Topology) -> None:
         )
 
 
-def _names_by_param(module: nn.Module) -> dict[int, list[str]]:
-    """Each parameter's names (a tied one has several), before the split replaces it."""
-    names: dict[int, list[str]] = {}
-    for name, param in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return names
-
-
 def _refuse_stepped(optimizer: Optimizer) -> None:
     if optimizer.state:
         raise ValueError(
@@ -477,18 +455,9 @@ def _refuse_stepped(optimizer: Optimizer) -> None:
 
 def _repoint(optimizer: Optimizer, names: dict[int, list[str]], split: nn.Module) -> None:
     """Point ``optimizer``'s param groups at ``split``'s parameters of the same names as the ones it was built
-    over (in place; a tied parameter once)."""
-    now = dict(split.named_parameters(remove_duplicate=False))
-    lost = []
-    for group in optimizer.param_groups:
-        params: list[Tensor] = []
-        for param in group["params"]:
-            found = next((now[name] for name in names.get(id(param), []) if name in now), None)
-            if found is None:
-                lost.append(names.get(id(param), [f"a parameter of shape {tuple(param.shape)} not in the model"])[0])
-            elif not any(found is kept for kept in params):
-                params.append(found)
-        group["params"] = params
+    over (`model_setup.repoint_optimizer`); every one must be found (Fabric has no pipeline stages to leave out)."""
+    elsewhere, foreign = model_setup.repoint_optimizer(optimizer, names, split)
+    lost = [*elsewhere, *(f"{shape} not in the model" for shape in foreign)]
     if lost:
         raise ValueError(
             f"{len(lost)} parameter(s) the optimizer was built over have no parameter of the same name in the split "

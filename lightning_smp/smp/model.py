@@ -21,8 +21,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_smp import build, fault_tolerance
-from lightning_smp._compat import sync_module_states
+from lightning_smp import fault_tolerance, model_setup
 from lightning_smp.engine import StepEngine
 from lightning_smp.pipeline.microbatch import split_batch
 from lightning_smp.smp.script import script_run
@@ -54,24 +53,11 @@ class DistributedModel(nn.Module):
                 "stage. Wrap it in a module that holds it as an attribute (`self.layers = layers`, forward "
                 "`return self.layers(x)`), as models built for smp are."
             )
-        self._names_before_split = {id(param): name for name, param in module.named_parameters()}
-        pipeline = build.plan_and_apply(
-            module, topology=run.topology, config=run.config, device=script.device, reduction=run.reduction
-        )
-        if not run.reduction.sharded_parameters:  # FSDP2 has put its shards on the device
-            module.to(script.device)
-        script.rules.convert_module(module)
-        wrapped: nn.Module = module
-        if run.reduction.wraps_ddp:
-            wrapped = DistributedDataParallel(
-                module,
-                device_ids=[script.device.index] if script.device.type == "cuda" else None,
-                process_group=run.topology.group(run.reduction.axis),
-            )
-        elif run.reduction.syncs_replicas_at_setup and run.topology.size(run.topology.replica_axis) > 1:
-            group = run.topology.group(run.topology.replica_axis)
-            sync_module_states(module, group, 250 * 1024 * 1024, src=0, params_and_buffers_to_ignore=set())
-        self.module = wrapped  # smp's name: `model.module` is the wrapped module
+        self._names_before_split = model_setup.parameter_names(module)
+        set_up = model_setup.set_up_model(module, run=run, rules=script.rules, device=script.device)
+        self.module = set_up.forward  # smp's name: `model.module` is the wrapped module
+        self._split = set_up.module
+        pipeline = set_up.pipeline
         microbatches = functools.partial(_split_step_arguments, microbatches=run.config.microbatches)
         self.engine = StepEngine(run, pipeline, microbatches)
         self._script = script
@@ -129,7 +115,7 @@ class DistributedModel(nn.Module):
 
     def get_module(self) -> nn.Module:
         """The user's model as split for this rank (no DDP wrapper)."""
-        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
+        return self._split
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> None:
         """``hook(model, optimizer)`` runs once, before the first step (when smp had partitioned the model)."""
@@ -157,7 +143,7 @@ class DistributedModel(nn.Module):
         return self.get_module().load_state_dict(state_dict, strict=strict)
 
     @property
-    def names_before_split(self) -> dict[int, str]:
+    def names_before_split(self) -> dict[int, list[str]]:
         """The model's parameter names by ``id`` before the split (an optimizer built then is re-pointed)."""
         return self._names_before_split
 

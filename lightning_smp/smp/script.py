@@ -25,11 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
-from torch import nn
 from torch.optim import Optimizer
 
 from lightning_smp import checkpoint as checkpointing
-from lightning_smp import fault_tolerance
+from lightning_smp import fault_tolerance, model_setup
 from lightning_smp.config import SMPConfig
 from lightning_smp.engine import RunContext
 from lightning_smp.mixed_precision import LossScaling, PrecisionRules
@@ -76,9 +75,26 @@ class ScriptRun:
         return functools.partial(self.rules.wrap_optimizer, topology=self.run.topology)
 
     def optimizer_over_split_model(self, optimizer: Optimizer) -> Optimizer:
-        """``optimizer`` over the split model's parameters (`optimizer_over`)."""
+        """``optimizer`` (in place) over the split model's parameters: one the script built over the model before
+        ``smp.DistributedModel`` split it is pointed at the split model's parameters of the same names, those this
+        rank does not hold (another pipeline stage's) left out."""
         model = self._model("DistributedOptimizer")
-        return optimizer_over(model.get_module(), optimizer, model.names_before_split)
+        current = {id(param) for param in model.get_module().parameters()}
+        if all(id(param) in current for group in optimizer.param_groups for param in group["params"]):
+            return optimizer
+        if optimizer.state:
+            raise ValueError(
+                "smp.DistributedOptimizer(optimizer) was given an optimizer that has stepped already, over "
+                "parameters smp.DistributedModel has since replaced: build the optimizer after "
+                "smp.DistributedModel(model), over model.parameters(), before its first step."
+            )
+        _, foreign = model_setup.repoint_optimizer(optimizer, model.names_before_split, model.get_module())
+        if foreign:
+            raise ValueError(
+                f"smp.DistributedOptimizer: the optimizer updates {foreign[0]} that is not a parameter of the model "
+                "given to smp.DistributedModel. Build the optimizer over model.parameters()."
+            )
+        return optimizer
 
     def loss_scaling(self) -> LossScaling:
         """What ``model.backward(loss)`` starts from (`PrecisionRules.loss_scaling`): the fp16 scale of the one
@@ -233,36 +249,3 @@ def _note_failures(script: ScriptRun) -> None:
         previous(kind, error, trace)
 
     sys.excepthook = hook
-
-
-def optimizer_over(model: nn.Module, optimizer: Optimizer, names: Mapping[int, str]) -> Optimizer:
-    """``optimizer`` (in place) over ``model``'s parameters as split for this rank: a parameter the optimizer was built
-    over before ``smp.DistributedModel`` split it (``names``: its name by ``id`` then) is replaced by the split model's
-    parameter of that name, and dropped where this rank does not hold it (another pipeline stage's). Built over the
-    split model's parameters already (``model.parameters()`` after wrapping, as AWS's GPT-2 script does), it is
-    left as it is."""
-    current = dict(model.named_parameters())
-    held = {id(param) for param in current.values()}
-    if all(id(param) in held for group in optimizer.param_groups for param in group["params"]):
-        return optimizer
-    if optimizer.state:
-        raise ValueError(
-            "smp.DistributedOptimizer(optimizer) was given an optimizer that has stepped already, over parameters "
-            "smp.DistributedModel has since replaced: build the optimizer after smp.DistributedModel(model), over "
-            "model.parameters(), before its first step."
-        )
-    for group in optimizer.param_groups:
-        params = []
-        for param in group["params"]:
-            if id(param) in held:
-                params.append(param)
-            elif names.get(id(param)) in current:
-                params.append(current[names[id(param)]])
-            elif id(param) not in names:
-                raise ValueError(
-                    f"smp.DistributedOptimizer: the optimizer updates a tensor of shape {tuple(param.shape)} that is "
-                    "not a parameter of the model given to smp.DistributedModel. Build the optimizer over "
-                    "model.parameters()."
-                )
-        group["params"] = params  # in place: the optimizer has no state yet, nothing else refers to them
-    return optimizer
