@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 
 from lightning_smp.units import format_bytes
 

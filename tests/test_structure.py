@@ -47,6 +47,7 @@ class _Imports(ast.NodeVisitor):
         self.module, self.depth = module, 0
         self.package: list[tuple[str, bool, int]] = []
         self.libraries: set[str] = set()
+        self.trainer_api = False  # imports lightning.pytorch (or the whole `lightning`), anywhere in the module
 
     def visit_If(self, node: ast.If) -> None:
         if "TYPE_CHECKING" not in ast.unparse(node.test):
@@ -70,6 +71,8 @@ class _Imports(ast.NodeVisitor):
             self._add(f"{node.module}.{alias.name}", node.lineno)
 
     def _add(self, name: str, line: int) -> None:
+        if name == "lightning" or name.startswith("lightning.pytorch"):
+            self.trainer_api = True
         if name.split(".")[0] != "lightning_smp":
             if self.depth == 0:
                 self.libraries.add(name.split(".")[0])
@@ -189,3 +192,28 @@ def test_the_cycle_check_finds_a_cycle_and_the_import_scan_sees_inside_functions
     assert visitor.package == [("lightning_smp.memory", True, 2)] and visitor.libraries == {"matplotlib"}
     page = "## 1. A\n\ntext\n\nModules: `a`, `b.c`\n\n## 2. B\n\nModules: `lightning_smp`\n"
     assert _layers(page) == [("1. A", ["lightning_smp.a", "lightning_smp.b.c"]), ("2. B", ["lightning_smp"])]
+
+
+TRAINER_ADAPTERS = {
+    "lightning_smp._compat": "the one shim over Lightning's private names",
+    "lightning_smp.strategy": "the Trainer's door",
+    "lightning_smp.precision": "the Trainer's precision plugin",
+    "lightning_smp.pipeline.lightning_results": "a pipelined step's logs and metrics, into the LightningModule",
+    "lightning_smp.preemption": "saving the agreed step through the Trainer",
+    "lightning_smp.data_position": "the Trainer's loader at a resumed batch",
+    "lightning_smp.fault_tolerance": "the scheduler's signal, stopped at a Trainer's optimizer step",
+    "lightning_smp.checkpoint.names": "a LightningOptimizer unwrapped to name its state",
+    "lightning_smp.activation_memory": "the memory planner runs a LightningModule's training_step",
+    "lightning_smp.cli": "LightningCLI",
+}
+"""The modules that import ``lightning.pytorch``, and why: the Trainer's adapters. The step engine, the precision
+rules, the build path and the other doors (``smp`` scripts, Fabric) reach Lightning's Trainer only through them."""
+
+
+def test_only_the_trainer_adapters_import_lightning_pytorch():
+    importers = {module for module, found in IMPORTS.items() if found.trainer_api}
+    assert importers - set(TRAINER_ADAPTERS) == set(), (
+        "these modules import lightning.pytorch but are not Trainer adapters: take what they need from "
+        "lightning.fabric, torch or a package module below them, or list them in TRAINER_ADAPTERS with the reason"
+    )
+    assert set(TRAINER_ADAPTERS) - importers == set(), "TRAINER_ADAPTERS lists modules that no longer import it"
