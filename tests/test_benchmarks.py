@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import pipeline_bench, tp_memory
+from benchmarks import doors_bench, pipeline_bench, tp_memory
 from benchmarks.pipeline_bench import PIPELINES
 from tests.distributed import run_benchmark, run_distributed
 
@@ -198,3 +198,14 @@ def test_checkpoint_stall_times_saving_and_normal_steps_of_both_kinds(tmp_path: 
     for row in result["rows"]:
         assert all(_positive(row[key]) for key in ("normal", "saving"))
     assert "stall_ratio" in result and result["settings"]["size"] == "smoke"
+
+
+def test_doors_bench_reports_each_door_against_the_trainers_step(capsys: pytest.CaptureFixture[str]) -> None:
+    # a launch costs about a minute of CPU (five two-rank runs), so only the report is exercised here
+    args = doors_bench.parse_args(["--layouts", "pp2,tp2", "--doors", "trainer,script,fabric"])
+    best = {("trainer", "pp2"): 0.05, ("script", "pp2"): 0.055, ("trainer", "tp2"): 0.1, ("fabric", "tp2"): 0.098}
+    pp2, tp2 = doors_bench.report(best, args)["rows"]
+    assert pp2["script_over_trainer"] == pytest.approx(1.1) and "fabric_s" not in pp2
+    assert pp2["microbatches"] == 8 and tp2["microbatches"] == 1
+    assert tp2["fabric_over_trainer"] == pytest.approx(0.98) and "script_s" not in tp2
+    assert "pp2: script 55.0 ms/step (1.100x)" in capsys.readouterr().out
