@@ -27,6 +27,7 @@ from typing import IO, Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
 from torch import Tensor, nn
@@ -283,8 +284,17 @@ sync_ddp_if_available = _sync_ddp_if_available
 """``(tensor, group, reduce_op)``: what ``DDPStrategy.reduce`` runs, over any group."""
 
 
+BackwardSyncControl = _BackwardSyncControl
+"""Fabric's hook behind ``fabric.no_backward_sync(model)``: a strategy sets its own as ``_backward_sync_control``."""
+
+
+def set_backward_sync_control(strategy: Any, control: Any) -> None:
+    """Give a Fabric strategy its ``fabric.no_backward_sync`` behaviour (a `BackwardSyncControl`)."""
+    strategy._backward_sync_control = control
+
+
 def strategy_timeout(strategy: Any) -> Any:
-    """The process-group timeout a ``DDPStrategy`` was given (it keeps no public accessor)."""
+    """The process-group timeout a ``DDPStrategy`` (the Trainer's or Fabric's) was given (no public accessor)."""
     return strategy._timeout
 
 

@@ -314,6 +314,14 @@ def test_lightning_strategy_and_precision_internals():
     strategy = DDPStrategy(timeout=timedelta(seconds=7), find_unused_parameters=True)
     assert _compat.strategy_timeout(strategy) == timedelta(seconds=7)
     assert _compat.ddp_kwargs(strategy) == {"find_unused_parameters": True}
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+
+    fabric_strategy = FabricDDP(timeout=timedelta(seconds=5), find_unused_parameters=True)
+    assert _compat.strategy_timeout(fabric_strategy) == timedelta(seconds=5)
+    assert _compat.ddp_kwargs(fabric_strategy) == {"find_unused_parameters": True}
+    control = type("Control", (_compat.BackwardSyncControl,), {"no_backward_sync": lambda self, module, enabled: None})
+    _compat.set_backward_sync_control(fabric_strategy, control())
+    assert isinstance(fabric_strategy._backward_sync_control, control)
     assert callable(_compat.forward_redirection(strategy))
     assert list(inspect.signature(Precision._after_closure).parameters) == ["self", "model", "optimizer"]
     # the protected hooks our subclasses override (see _compat's docstring)

@@ -30,7 +30,6 @@ from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY, DDPStrategy
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -39,6 +38,7 @@ from typing_extensions import override
 from lightning_smp import checkpoint as checkpointing
 from lightning_smp import model_setup, tp_batches
 from lightning_smp import smp as smp_facade
+from lightning_smp._compat import BackwardSyncControl, ddp_kwargs, set_backward_sync_control, strategy_timeout
 from lightning_smp.checkpoint.verification import RECORD
 from lightning_smp.config import SMPConfig
 from lightning_smp.delayed_init import deferred_init
@@ -117,7 +117,7 @@ class SMPFabricStrategy(DDPStrategy):
             start_method=start_method,
             find_unused_parameters=find_unused_parameters,
         )
-        self._backward_sync_control = _SMPBackwardSyncControl()
+        set_backward_sync_control(self, _SMPBackwardSyncControl())
 
     @property
     def config(self) -> SMPConfig:
@@ -170,7 +170,7 @@ class SMPFabricStrategy(DDPStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         run = self._run = RunContext.start(
-            self._config, world_size=self.world_size, device_type=self.root_device.type, timeout=self._timeout
+            self._config, world_size=self.world_size, device_type=self.root_device.type, timeout=strategy_timeout(self)
         )
         self.precision.start_run(run.reduction)
         wraps = self.precision.rules.dtype is not None
@@ -237,7 +237,7 @@ class SMPFabricStrategy(DDPStrategy):
         topology = self.topology
         _refuse_unsupported_layout(topology)
         set_up = model_setup.set_up_model(
-            module, run=self.run, rules=self.precision.rules, device=self.root_device, ddp_kwargs=self._ddp_kwargs
+            module, run=self.run, rules=self.precision.rules, device=self.root_device, ddp_kwargs=ddp_kwargs(self)
         )
         if topology.tp > 1 and not self._config.prescaled_batch:
             train_on_group_batches(module, topology=topology)
@@ -419,7 +419,7 @@ class SMPFabricStrategy(DDPStrategy):
         register_fabric_strategies(strategy_registry)
 
 
-class _SMPBackwardSyncControl(_BackwardSyncControl):
+class _SMPBackwardSyncControl(BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: DDP's ``no_sync`` where DDP reduces; elsewhere the reduction waits for the
     optimizer step already (ZeRO-1), or there is none (one replica), or FSDP2 reduces every backward."""
 

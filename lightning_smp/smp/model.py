@@ -56,10 +56,8 @@ class DistributedModel(nn.Module):
         self._names_before_split = model_setup.parameter_names(module)
         set_up = model_setup.set_up_model(module, run=run, rules=script.rules, device=script.device)
         self.module = set_up.forward  # smp's name: `model.module` is the wrapped module
-        self._split = set_up.module
-        pipeline = set_up.pipeline
         microbatches = functools.partial(_split_step_arguments, microbatches=run.config.microbatches)
-        self.engine = StepEngine(run, pipeline, microbatches)
+        self.engine = StepEngine(run, set_up.pipeline, microbatches)
         self._script = script
         self._post_partition_hooks: list[Callable[..., Any]] = []
         self._stepped = False
@@ -115,7 +113,7 @@ class DistributedModel(nn.Module):
 
     def get_module(self) -> nn.Module:
         """The user's model as split for this rank (no DDP wrapper)."""
-        return self._split
+        return self.module.module if isinstance(self.module, DistributedDataParallel) else self.module
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> None:
         """``hook(model, optimizer)`` runs once, before the first step (when smp had partitioned the model)."""
