@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_smp
-from lightning_smp import SMPFabricStrategy
+import tests.test_smp_script as script_tests
+from lightning_smp import SMPFabricStrategy, smp
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.tensor_parallel import TensorParallelModule
 from tests.distributed import run_distributed
@@ -295,8 +296,8 @@ def _pipeline(rank: int) -> None:
     fabric.setup(Regressor())
 
 
-def test_pipeline_parallelism_is_refused_naming_smp_step():
-    with pytest.raises(pytest.fail.Exception, match=r"runs through smp\.step"):
+def test_fabric_setup_under_a_pipeline_is_refused_naming_smp_step():
+    with pytest.raises(pytest.fail.Exception, match=r"an @smp\.step function calling model\.backward"):
         run_distributed(_pipeline, 2, timeout=60)
 
 
@@ -320,3 +321,48 @@ def _example(rank: int, argv: list[str]) -> float:
 def test_the_fabric_example_learns_at_tp2_in_fp16():
     losses = run_distributed(_example, 2, ["--devices", "2", "--tp", "2", "--steps", "40"], timeout=90)
     assert losses[0] == losses[1] < 3.5  # from ln(64) = 4.16; fp16's first steps are skipped while the scale falls
+
+
+def _pipelined_loop(rank: int, directory: str) -> dict[str, Any]:
+    """A Fabric loop over two pipeline stages in fp16: smp's API in the loop (``smp.DistributedModel``,
+    ``smp.DistributedOptimizer``, an ``@smp.step`` function with ``model.backward(loss)``), then ``fabric.save``."""
+    fabric, _ = _fabric({"pipeline_parallel_degree": 2, "microbatches": 2, "fp16": True})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(script_tests.ScriptGPT())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=script_tests.LR)
+    optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})
+    sampler = DistributedSampler(script_tests.DATASET, num_replicas=1, rank=0, seed=0)
+    losses = []
+    for step, (inputs, targets) in enumerate(DataLoader(script_tests.DATASET, batch_size=8, sampler=sampler)):
+        if step == script_tests.STEPS:
+            break
+        optimizer.zero_grad()
+        _, loss = script_tests.train_step(model, inputs, targets)
+        losses.append(loss.reduce_mean().item())
+        optimizer.step()
+    fabric.save(directory, {"model": model, "optimizer": optimizer, "steps": len(losses)})
+    held = {name: value.detach().clone() for name, value in model.local_state_dict().items()}
+    return {"losses": losses, "skipped": float(optimizer.skipped_steps), "scale": optimizer.loss_scale, "held": held}
+
+
+def _load_pipelined_save(rank: int, directory: str) -> dict[str, Tensor]:
+    """The pipelined run's checkpoint loaded into the whole model set up by ``fabric.setup`` on one process."""
+    fabric, _ = _fabric({})
+    torch.manual_seed(1)  # other initial values: the load must replace them all
+    model = fabric.setup_module(script_tests.ScriptGPT())
+    state = {"model": model, "steps": 0}
+    fabric.load(directory, state)
+    assert state["steps"] == script_tests.STEPS
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def test_a_pipeline_in_a_fabric_loop_runs_through_smp_step_and_its_save_loads_whole(tmp_path):
+    (first, second) = run_distributed(_pipelined_loop, 2, str(tmp_path / "ckpt"), timeout=120)
+    reference = script_tests._reference(1, fp16=True)
+    for run in (first, second):  # both stages report the last stage's losses, and skip the same steps
+        assert run["losses"] == pytest.approx(reference["losses"], rel=FP16_REL)
+        assert_same_overflow(run, reference)
+    (weights,) = run_distributed(_load_pipelined_save, 1, str(tmp_path / "ckpt"), timeout=120)
+    assert set(weights) == set(reference["weights"])
+    for run in (first, second):  # the fp32 masters, each from its owning stage: in fp16, the stage's parameters
+        assert run["held"] and all(torch.equal(weights[name].half(), value) for name, value in run["held"].items())

@@ -9,8 +9,10 @@ model's parameters by name and wraps them in `MasterWeightOptimizer` (fp16/bf16 
 ``fabric.clip_gradients`` clips the masters, ``fabric.save`` / ``fabric.load`` write and read the sharded
 checkpoints every door shares (`checkpoint`). It extends Fabric's `DDPStrategy`, whose launching and process-group
 setup it keeps. Pipeline parallelism needs a step that owns forward and backward per microbatch, which a Fabric loop
-does not have: it is refused here (``smp.step`` is that API); context parallelism likewise (the step splits the
-sequences).
+does not have: ``fabric.setup`` refuses it, and the run is attached to the smp script door (`smp.script.attach`) so
+that ``smp.DistributedModel``, ``smp.DistributedOptimizer`` and an ``@smp.step`` function run the pipeline in the
+same loop, and ``fabric.save`` / ``fabric.load`` take that model. Context parallelism is refused (the Trainer's step
+splits the sequences).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.materialization import has_meta_tensors
 from lightning_smp.mixed_precision import PrecisionRules
 from lightning_smp.optimizer import MasterWeightOptimizer
+from lightning_smp.smp import script as smp_script
+from lightning_smp.smp.model import DistributedModel
 from lightning_smp.tensor_parallel.rng import sync_default_generator
 from lightning_smp.topology import Topology
 
@@ -173,6 +177,7 @@ class SMPFabricStrategy(DDPStrategy):
             self._config, world_size=self.world_size, device_type=self.root_device.type, timeout=strategy_timeout(self)
         )
         self.precision.start_run(run.reduction)
+        smp_script.attach(run, self.precision.rules, self.root_device)  # @smp.step: pipelines in a Fabric loop
         wraps = self.precision.rules.dtype is not None
         smp_facade.start_run(
             smp_facade.RunRecord.from_topology(
@@ -333,6 +338,7 @@ class SMPFabricStrategy(DDPStrategy):
             self.broadcast(path),  # every rank writes its part into rank 0's path
             module=model,
             run=self._checkpoint_run(),
+            owned=self._owned(),
             asynchronous=self._config.async_checkpoint,
         )
 
@@ -383,16 +389,17 @@ class SMPFabricStrategy(DDPStrategy):
 
     def _save_for_smp(self, path: Path, user_content: Any) -> None:
         """``smp.save_checkpoint``: the model, the optimizers set up, and ``user_content``."""
-        state = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self._optimizers)}
+        state = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(self._all_optimizers())}
         self.save_checkpoint(path, {"model": self._model_(), **state, "user_content": user_content})
 
     def _load_for_smp(self, path: Path, strict: bool, load_optimizer_states: bool) -> Mapping[str, Any] | None:
         """``smp.resume_from_checkpoint``: ``path`` into the model and optimizers; None before they exist."""
-        if self._model is None:
+        script = smp_script.running_script()
+        if self._model is None and (script is None or script.model is None):
             return None
-        optimizers = self._optimizers if load_optimizer_states else []
+        optimizers = self._all_optimizers() if load_optimizer_states else []
         state = {f"optimizer_{index}": optimizer for index, optimizer in enumerate(optimizers)}
-        return self.load_checkpoint(path, {"model": self._model, **state}, strict=strict)
+        return self.load_checkpoint(path, {"model": self._model_(), **state}, strict=strict)
 
     def _checkpoint_run(self) -> dict[str, Any]:
         return checkpointing.describe_run(
@@ -400,16 +407,36 @@ class SMPFabricStrategy(DDPStrategy):
         )
 
     def _model_(self) -> nn.Module:
-        if self._model is None:
-            raise RuntimeError(
-                "fabric.save / fabric.load need the model set up first: call `fabric.setup(model, optimizer)` before."
-            )
-        return self._model
+        """The model checkpoints hold: the one ``fabric.setup`` split, or ``smp.DistributedModel``'s."""
+        if self._model is not None:
+            return self._model
+        script = smp_script.running_script()
+        if script is not None and script.model is not None:
+            return script.model.get_module()
+        raise RuntimeError(
+            "fabric.save / fabric.load need the model set up first: call `fabric.setup(model, optimizer)` (or "
+            "smp.DistributedModel(model)) before."
+        )
+
+    def _owned(self) -> set[str] | None:
+        """Under a pipeline, the parameters whose copy on this stage is the trained one (a checkpoint takes each
+        from its owner); None: every parameter this rank holds."""
+        script = smp_script.running_script()
+        if self._model is None and script is not None and script.model is not None:
+            pipeline = script.model.engine.pipeline
+            return pipeline.owned_parameter_names() if pipeline is not None else None
+        return None
+
+    def _all_optimizers(self) -> list[Optimizer]:
+        """The optimizers ``fabric.setup`` wrapped and ``smp.DistributedOptimizer``'s, in order."""
+        script = smp_script.running_script()
+        return [*self._optimizers, *(script.optimizers if script is not None else [])]
 
     @override
     def teardown(self) -> None:
         checkpointing.wait_for_saves()  # an asynchronous save in flight is published before the run ends
         smp_facade.end_run()
+        smp_script.detach()
         self._model, self._optimizers = None, []
         super().teardown()
 
@@ -433,9 +460,10 @@ class _SMPBackwardSyncControl(BackwardSyncControl):
 def _refuse_unsupported_layout(topology: Topology) -> None:
     if topology.pp > 1:
         raise ValueError(
-            f"pipeline_parallel_degree={topology.pp}: pipeline parallelism under Fabric runs through smp.step (a step "
-            "that owns forward and backward of every microbatch, which `model(x)` then `fabric.backward(loss)` cannot "
-            "drive). Set pipeline_parallel_degree=1 here, or train with the Trainer (SMPStrategy) or an smp script."
+            f"pipeline_parallel_degree={topology.pp}: a pipeline needs a step that owns forward and backward of every "
+            "microbatch, which `model(x)` then `fabric.backward(loss)` cannot drive. Use smp's API in the Fabric loop "
+            "instead of fabric.setup: `model = smp.DistributedModel(model)`, `optimizer = smp.DistributedOptimizer("
+            "optimizer)`, and an @smp.step function calling model.backward(loss) (docs/fabric.md)."
         )
     if topology.cp > 1:
         raise ValueError(
@@ -486,7 +514,9 @@ def _refuse_other_module(module: nn.Module, model: nn.Module) -> None:
 
 
 def _plain(value: Any) -> Any:
-    """The module inside DDP; anything else as it is."""
+    """The module inside DDP, or inside ``smp.DistributedModel``; anything else as it is."""
+    if isinstance(value, DistributedModel):
+        return value.get_module()
     return value.module if isinstance(value, DistributedDataParallel) else value
 
 

@@ -43,6 +43,8 @@ def DistributedOptimizer(
     """
     run = running("DistributedOptimizer", "build optimizers in configure_optimizers")
     script = running_script()
+    if script is not None and not script.builds_optimizers:
+        script = None  # a Fabric loop's optimizer set up with fabric.setup: the strategy's record wraps it
     if script is not None:  # an smp script: over the split model's parameters, kept for backward and checkpoints
         optimizer = script.optimizer_over_split_model(optimizer)
         wrap = script.wrap_optimizer

@@ -1,4 +1,5 @@
-"""The smp v1 script door's run: ``smp.init()`` starts a run without a Trainer, as smp's did.
+"""The smp v1 script door's run: ``smp.init()`` starts a run without a Trainer, as smp's did (or a Fabric loop's
+strategy `attach`es its run, so that ``@smp.step`` pipelines run in a Fabric loop).
 
 An smp v1 script (AWS's ``train_gpt_simple.py``, the BERT and MNIST examples, and their copies) runs unchanged but
 for the import: ``smp.init()`` here joins the job's processes (torchrun's or mpirun's environment, or one process),
@@ -61,6 +62,14 @@ class ScriptRun:
     optimizers: list[Optimizer] = field(default_factory=list)
     failed: bool = False
     """Whether the script ended in an exception (then the process groups stay at exit: `fault_tolerance`)."""
+    attached: bool = False
+    """Started by another door (`attach`), whose own setup calls may build the model instead."""
+
+    @property
+    def builds_optimizers(self) -> bool:
+        """Whether ``smp.DistributedOptimizer`` is this run's (after ``smp.init()``, or once
+        ``smp.DistributedModel`` made the model of an attached run); else the door's record wraps it."""
+        return not self.attached or self.model is not None
 
     @property
     def config(self) -> SMPConfig:
@@ -187,13 +196,33 @@ def init(config: Mapping[str, Any] | None = None) -> None:
             config=settings,
             local_rank=int(os.environ.get("LOCAL_RANK", 0)),
             local_size=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())),
-            wrap_optimizer=None,  # smp.DistributedOptimizer asks the script run (`distributed_optimizer`)
+            wrap_optimizer=None,  # smp.DistributedOptimizer asks the script run (`ScriptRun.wrap_optimizer`)
             save_checkpoint=script.save_checkpoint,
             load_checkpoint=script.load_checkpoint,
         )
     )
     fault_tolerance.close_process_groups_at_exit(script)
     _note_failures(script)
+
+
+def attach(run: RunContext, rules: PrecisionRules, device: torch.device) -> ScriptRun:
+    """Let ``smp.DistributedModel``, ``smp.DistributedOptimizer`` and ``@smp.step`` run on a run another door
+    started (a Fabric loop: its strategy made the run and the facade's record), as they run after ``smp.init()``.
+    Like a script's, it settles and frees its groups at exit unless the process is failing; the door may end it
+    earlier with `detach`."""
+    global _script
+    script = _script = ScriptRun(run, rules, device, attached=True)
+    fault_tolerance.close_process_groups_at_exit(script)
+    _note_failures(script)
+    return script
+
+
+def detach() -> None:
+    """The door's run ends (`attach`): the pipeline's stages settle, the references to its groups go."""
+    global _script
+    script, _script = _script, None
+    if script is not None:
+        script.forget_process_groups()
 
 
 def script_run(caller: str) -> ScriptRun:
