@@ -151,6 +151,7 @@ def _script(rank: int, args: argparse.Namespace, out: Any, layout: str) -> None:
 
 def _fabric(rank: int, args: argparse.Namespace, out: Any, layout: str) -> None:
     import lightning as L
+
     from lightning_smp.fabric import SMPFabricStrategy
 
     fabric = L.Fabric(accelerator="cpu", devices=RANKS, strategy=SMPFabricStrategy(**_settings(args, layout)))
