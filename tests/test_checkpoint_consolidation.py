@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_smp import SMPStrategy, consolidate_checkpoint, consolidated_state_dict, smp
 from lightning_smp.checkpoint import CheckpointError
 from tests.distributed import run_distributed
-from tests.gpt import HEADS, SEQ, VOCAB, WIDTH, TinyGPT, token_batches
+from tests.gpt import TinyGPT, llama_config, token_batches
 from tests.models import quiet_trainer
 
 PP2_TP2 = {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2}
@@ -45,17 +45,7 @@ class _GPT(_Training, TinyGPT):
 
 
 def _llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=WIDTH,
-        intermediate_size=2 * WIDTH,
-        num_hidden_layers=2,
-        num_attention_heads=HEADS,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * SEQ,
-    )
+    return llama_config(pad_token_id=None)  # no padding row: every embedding row trains
 
 
 class _Llama(_Training, pl.LightningModule):

@@ -17,6 +17,7 @@ from torch.utils._pytree import tree_flatten
 from lightning_smp.delayed_init import deferred_from, deferred_init, is_deferred, materialize, materialize_module
 from lightning_smp.delayed_init.recording import cpu_as_deferred
 from lightning_smp.placement import Cut, TPShard
+from tests.gpt import llama_config
 
 _CPU = torch.device("cpu")
 
@@ -291,14 +292,13 @@ def test_a_module_built_before_the_eager_one_does_not_change_its_values():
 @pytest.mark.parametrize("tied", [True, False])
 def test_llama_equals_the_eager_build_with_its_rotary_buffers(tied):
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
+    config = llama_config(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         tie_word_embeddings=tied,
+        pad_token_id=None,
+        max_position_embeddings=2048,
     )
     eager, deferred = _build_both(lambda: transformers.LlamaForCausalLM(config))
     assert is_deferred(deferred.model.rotary_emb.inv_freq)

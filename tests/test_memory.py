@@ -18,6 +18,7 @@ from lightning_smp import SMPConfig, estimate_memory, fitting_layouts, smp
 from lightning_smp.activation_memory import SavedBytes
 from lightning_smp.memory import layouts_table
 from tests.distributed import run_benchmark, run_distributed
+from tests.gpt import llama_config
 
 VOCAB, WIDTH, HEADS, FF, LAYERS = 64, 16, 2, 32, 4
 
@@ -279,10 +280,9 @@ def test_activations_that_cannot_be_measured_leave_the_fit_unknown_with_the_reas
 
 def test_a_transformers_model_is_traced_on_token_ids_of_the_given_size():
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
+    config = llama_config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, pad_token_id=None, max_position_embeddings=2048
+    )
     with torch.device("meta"), smp.tensor_parallelism():
         model = transformers.LlamaForCausalLM(config)
     sizes = {"micro_batch_size": 2, "sequence_length": 16}

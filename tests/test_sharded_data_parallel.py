@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from lightning_smp import SMPStrategy, consolidate_checkpoint, smp
 from lightning_smp.config import SMPConfig
 from tests.distributed import init_gloo, launch_once, run_distributed, run_process
-from tests.gpt import VOCAB, TinyGPT, token_batches
+from tests.gpt import TinyGPT, llama_config, token_batches
 from tests.models import TinyRegressor, quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, one_process, single_device_run
 
@@ -88,10 +88,9 @@ class _Llama(_OnTokens, pl.LightningModule):
         import transformers
 
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0,
-        )  # fmt: skip
+        config = llama_config(
+            hidden_size=32, intermediate_size=64, bos_token_id=0, eos_token_id=0, max_position_embeddings=2048
+        )
         with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
             self.llama = transformers.LlamaForCausalLM(config)
 
