@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import pytest
@@ -69,10 +70,11 @@ def _loss(model: nn.Module, batch: tuple[Tensor, Tensor], step: int = 0) -> Tens
     return F.cross_entropy(model(inputs).reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-def _reference(replicas: int, *, fp16: bool = False, clip_norm: float | None = None, steps: int = STEPS) -> dict:
-    """The plain torch run of the script's model on the global batch (``replicas`` shares of it in order)."""
+def _reference(replicas: int, *, steps: int = STEPS, **options: Any) -> dict:
+    """The plain torch run of the script's model on the global batch (``replicas`` shares of it in order);
+    ``options`` as `single_device_run` takes them (``fp16``, ``init_scale``, ``clip_norm``)."""
     _Recipe.replicas = replicas
-    return single_device_run(_Recipe, _loss, steps=steps, replicas=replicas, fp16=fp16, clip_norm=clip_norm)
+    return single_device_run(_Recipe, _loss, steps=steps, replicas=replicas, **options)
 
 
 @smp.step
@@ -101,9 +103,17 @@ def _script(rank: int, config: dict, options: dict) -> dict:
     else:
         model = smp.DistributedModel(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})
-    sampler = DistributedSampler(DATASET, num_replicas=smp.dp_size(), rank=smp.dp_rank(), seed=0)
-    loader = DataLoader(DATASET, batch_size=BATCH // smp.dp_size(), sampler=sampler)
+    if options.get("smp_optimizer_defaults"):
+        optimizer = smp.DistributedOptimizer(optimizer)  # smp's defaults: a static loss scale of 1.0
+    else:
+        scaling = {"dynamic_loss_scale": True, "dynamic_loss_args": {"init_scale": 2**16}}
+        optimizer = smp.DistributedOptimizer(optimizer, **scaling)
+    # smp's data parallelism: every rank reads its share (smp.dp_*), a tensor-parallel group one with prescaled_batch
+    shares, share = (
+        (smp.rdp_size(), smp.rdp_rank()) if config.get("prescaled_batch") else (smp.dp_size(), smp.dp_rank())
+    )
+    sampler = DistributedSampler(DATASET, num_replicas=shares, rank=share, seed=0)
+    loader = DataLoader(DATASET, batch_size=BATCH // shares, sampler=sampler)
     first = smp.resume_from_checkpoint(options["directory"])["step"] if options.get("resume") else 0
     losses = []
     for step, (inputs, targets) in enumerate(loader):
@@ -122,7 +132,7 @@ def _script(rank: int, config: dict, options: dict) -> dict:
         evaluation = evaluation_step(model, *next(iter(loader)))
     return {
         "losses": losses,
-        "dp": smp.dp_rank(),  # smp's: the ranks reading one share of the data
+        "dp": share,  # the ranks reading one share of the data
         "skipped": float(getattr(optimizer, "skipped_steps", torch.tensor(0.0))),
         "scale": getattr(optimizer, "loss_scale", None) if config.get("fp16") else None,
         "evaluation": evaluation.outputs,
@@ -142,6 +152,7 @@ LAYOUTS = {  # name: (world size, smp config, data-parallel shares of the batch)
     "pp2 simple m4": (2, {"partitions": 2, "microbatches": 4, "pipeline": "simple"}, 1),
     "dp2 ZeRO-1": (2, {"shard_optimizer_state": True, "microbatches": 2}, 2),
     "sdp2": (2, {"sharded_data_parallel_degree": 2}, 2),  # clips at smp's sdp_gradient_clipping=1.0
+    "tp2 prescaled_batch": (2, {"tensor_parallel_degree": 2, "prescaled_batch": True}, 1),
 }
 
 
@@ -170,6 +181,13 @@ def test_fp16_dp2_with_the_optimizer_built_before_wrapping() -> None:
     reference = _reference(2, fp16=True)
     assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
     assert runs[0]["skipped"] == reference["skipped"]
+
+
+def test_fp16_with_smp_distributed_optimizers_defaults_trains_at_a_static_scale_of_one() -> None:
+    runs = _run(2, {"fp16": True, "microbatches": 2}, smp_optimizer_defaults=True)
+    reference = _reference(2, fp16=True, init_scale=1.0)  # a scale of 1 that nothing overflows at: static
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
+    assert all((run["skipped"], run["scale"]) == (0.0, 1.0) for run in runs)
 
 
 def test_a_pp2_checkpoint_resumes_at_tp2_as_the_uninterrupted_run(tmp_path: Path) -> None:
