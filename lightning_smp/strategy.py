@@ -83,12 +83,13 @@ _SETTINGS = frozenset(field.name for field in dataclasses.fields(SMPConfig))
 
 
 def _records_given_keywords(init: Callable[..., None]) -> Callable[..., None]:
-    """``SMPStrategy.__init__`` learns which keyword arguments its caller gave, not only their values: a setting
-    given explicitly wins over ``smp_options``, even when it equals the default (`SMPConfig.from_sources`)."""
+    """``SMPStrategy.__init__`` learns which settings its caller gave, with their values, not only the values its
+    parameters hold: a setting given explicitly wins over ``smp_options``, even when it equals the default
+    (`SMPConfig.from_sources`). The keyword parameters stay explicit, so that LightningCLI and IDEs see each one."""
 
     @functools.wraps(init)
     def init_recording_given(self: SMPStrategy, **kwargs: Any) -> None:
-        self._given_settings = _SETTINGS.intersection(kwargs)
+        self._given_settings = {name: value for name, value in kwargs.items() if name in _SETTINGS}
         init(self, **kwargs)
 
     return init_recording_given
@@ -168,9 +169,7 @@ class SMPStrategy(DDPStrategy):
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         find_unused_parameters: bool = False,
     ) -> None:
-        arguments = locals()
-        explicit = {name: arguments[name] for name in self._given_settings}
-        self._config = SMPConfig.from_sources(explicit, smp_options=smp_options)
+        self._config = SMPConfig.from_sources(self._given_settings, smp_options=smp_options)
         for line in [*self._config.deprecated_settings(), *self._config.inactive_settings()]:
             rank_zero_warn(line)
         self._run: RunContext | None = None  # the settings, layout and reduction plan, from setup_environment
