@@ -4,7 +4,7 @@ Owns the order of setup's work on the model and the plan every step of it reads:
 parallelism splits (`plan_tensor_parallel`), the pipelined trunk (found once, `find_trunk`), the partition of its
 children over the stages with the modules outside it placed (`plan_configured_partition`, `plan_outside`) and the
 units of sharded data parallelism (`plan_units`). `plan` is pure over the module tree (a model on the meta device
-costs nothing), so the memory planner (`memory.py`) reads exactly the plan the strategy applies. `plan_and_apply`
+costs nothing), so the memory planner (`memory`) reads exactly the plan the strategy applies. `plan_and_apply`
 then splits the model over the tensor-parallel ranks, wraps the modules marked for activation checkpointing, keeps
 this rank's pipeline stage, shards what is left over the sdp ranks and, for a model built on the meta device, gives
 each tensor the rank keeps its values (`materialization`). Under a `ShapeOnlyTopology` (no processes) it stops after

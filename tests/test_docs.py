@@ -360,7 +360,7 @@ _GROUP_OF_PATH = {
     "weight_files.py": "Model creation and memory",
     "progress.py": "Model creation and memory",
     "units.py": "Model creation and memory",
-    "memory.py": "Model creation and memory",
+    "memory/": "Model creation and memory",
     "activation_memory.py": "Model creation and memory",
     "repeated_layers.py": "Model creation and memory",  # the planner's trace of a repeated trunk; raises nothing
     "memory_plot.py": "Model creation and memory",
@@ -568,7 +568,7 @@ def test_every_module_has_a_troubleshooting_section() -> None:
         ("checkpoint.py", "Checkpoints"),
         ("checkpoint/storage.py", "Checkpoints"),
         ("delayed_init/replay.py", "Model creation and memory"),
-        ("memory.py", "Model creation and memory"),
+        ("memory/states.py", "Model creation and memory"),
         ("placement.py", "Tensor parallelism"),
         ("tensor_parallel/a_new_module.py", "Tensor parallelism"),
         ("pipeline/a_new_module.py", "Pipeline parallelism"),
