@@ -97,6 +97,7 @@ def _script(rank: int, config: dict, options: dict) -> dict:
     torch.manual_seed(0)
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
         model = ScriptGPT()
+    built_on_meta = next(model.parameters()).is_meta
     if options.get("before_wrapping"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
         model = smp.DistributedModel(model)
@@ -137,6 +138,7 @@ def _script(rank: int, config: dict, options: dict) -> dict:
         "scale": getattr(optimizer, "loss_scale", None) if config.get("fp16") else None,
         "evaluation": evaluation.outputs,
         "microbatches": smp.num_microbatches(),
+        "built_on_meta": built_on_meta,
     }
 
 
@@ -153,6 +155,7 @@ LAYOUTS = {  # name: (world size, smp config, data-parallel shares of the batch)
     "dp2 ZeRO-1": (2, {"shard_optimizer_state": True, "microbatches": 2}, 2),
     "sdp2": (2, {"sharded_data_parallel_degree": 2}, 2),  # clips at smp's sdp_gradient_clipping=1.0
     "tp2 prescaled_batch": (2, {"tensor_parallel_degree": 2, "prescaled_batch": True}, 1),
+    "pp2 tp1 delayed init": (2, {"pipeline_parallel_degree": 2, "delayed_parameter_initialization": True}, 1),
 }
 
 
@@ -163,6 +166,7 @@ def test_a_script_trains_as_the_single_process_torch_run(layout: str) -> None:
     reference = _reference(shares, clip_norm=1.0 if "sharded_data_parallel_degree" in config else None)
     assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP32_REL)
     assert runs[0]["microbatches"] == config.get("microbatches", 1)
+    assert runs[0]["built_on_meta"] == config.get("delayed_parameter_initialization", False)
     assert len(runs[0]["evaluation"]) == config.get("microbatches", 1)  # a number per microbatch, as smp's
     assert all(run["evaluation"] == runs[0]["evaluation"] for run in runs if run["dp"] == runs[0]["dp"])
 

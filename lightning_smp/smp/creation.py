@@ -15,6 +15,7 @@ import torch
 from lightning_smp import activation_checkpointing as _activation_checkpointing
 from lightning_smp.delayed_init import deferred_init
 from lightning_smp.pipeline import partition as _placement
+from lightning_smp.smp.script import running_script
 from lightning_smp.tensor_parallel import creation as _tp_creation
 
 __all__ = [
@@ -40,9 +41,13 @@ def tensor_parallelism(enabled: bool = True, **tp_config: Any) -> Generator[None
 def model_creation(
     tensor_parallelism: bool = False, dtype: torch.dtype | None = None, **tp_config: Any
 ) -> Generator[None, None, None]:
-    """smp's ``model_creation``: create parameters in ``dtype`` and, optionally, tensor-parallel."""
+    """smp's ``model_creation``: create parameters in ``dtype`` and, optionally, tensor-parallel. In an smp script
+    whose config sets ``delayed_parameter_initialization``, on the meta device too, as smp's did (under a Trainer
+    the strategy's ``configure_model`` context does that)."""
+    script = running_script()
+    delayed = script is not None and not script.attached and script.config.delayed_parameter_initialization
     previous_dtype = torch.get_default_dtype()
-    with _tp_creation.scope(tensor_parallelism, tp_config):
+    with _tp_creation.scope(tensor_parallelism, tp_config), deferred_init() if delayed else contextlib.nullcontext():
         if dtype is not None:
             torch.set_default_dtype(dtype)
         try:
