@@ -403,6 +403,6 @@ def _loss_of(output: Any) -> Tensor:
         raise RuntimeError(
             f"the step returned {type(output).__name__} on the last pipeline stage; with pipeline parallelism "
             "it must return the loss tensor, or a dict with a 'loss' tensor, for every microbatch (under @smp.step: "
-            "call model.backward(loss) in every microbatch)."
+            "call model.backward(loss) in every microbatch, or run an evaluation step under torch.no_grad())."
         )
     return loss
