@@ -284,13 +284,25 @@ def _mistakes(rank: int) -> dict:
         train_step(model, torch.zeros(3, 8, dtype=torch.long), torch.zeros(3, 8, dtype=torch.long))
     with pytest.raises(RuntimeError, match="once per process"):
         smp.init()
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    weights = torch.ones(VOCAB)  # not a batch: split in two it would be two halves of the classes
+    samples, classes = weighted_step(model, ids, ids, weights=weights)
+    errors["whole"] = (samples.outputs, classes.outputs)
+    with pytest.raises(ValueError, match=r"input_split_axes=\{'inputs': 1\}.*move the batch axis"):
+        smp.step(input_split_axes={"inputs": 1, "targets": 0})(evaluation_step)
     return errors
+
+
+@smp.step(non_split_inputs=["weights"])
+def weighted_step(model: smp.DistributedModel, inputs: Tensor, targets: Tensor, weights: Tensor) -> tuple[int, int]:
+    return (inputs.shape[0], weights.shape[0])
 
 
 def test_a_scripts_mistakes_end_in_errors_that_name_the_fix() -> None:
     (errors,) = run_distributed(_mistakes, 1, timeout=TIMEOUT)
     assert "smp.init(config)" in errors["before init"]
     assert "smp.DistributedModel(model)" in errors["step before the model"]
+    assert errors["whole"] == ([2, 2], [VOCAB, VOCAB])  # non_split_inputs: whole in each of the two microbatches
 
 
 def test_the_config_comes_from_sm_hp_mp_parameters_as_in_smp() -> None:

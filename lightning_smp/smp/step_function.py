@@ -14,7 +14,8 @@ per microbatch, the same on every rank (under a pipeline the last stage's values
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,19 +64,41 @@ class StepOutput:
         return f"StepOutput({self.outputs!r})"
 
 
-def step(function: Callable[..., Any] | None = None, **_: Any) -> Any:
-    """smp's ``@smp.step`` (smp's keyword arguments are accepted and have no effect). The decorated function takes
-    the ``smp.DistributedModel`` among its arguments (or reaches it otherwise) and runs after ``smp.init()``."""
+def step(
+    function: Callable[..., Any] | None = None,
+    *,
+    non_split_inputs: Sequence[str] | None = None,
+    input_split_axes: Mapping[str, int] | None = None,
+    **_: Any,
+) -> Any:
+    """smp's ``@smp.step`` (or ``@smp.step(non_split_inputs=[...])``). The decorated function takes the
+    ``smp.DistributedModel`` among its arguments (or reaches it otherwise) and runs after ``smp.init()``.
+    ``non_split_inputs`` names arguments handed whole to every microbatch; ``input_split_axes`` may only name axis 0
+    (the split's); smp's other keyword arguments are accepted and have no effect."""
     if function is None:  # @smp.step(...)
-        return step
+        return functools.partial(step, non_split_inputs=non_split_inputs, input_split_axes=input_split_axes)
+    other_axes = {name: axis for name, axis in (input_split_axes or {}).items() if axis != 0}
+    if other_axes:
+        raise ValueError(
+            f"@smp.step(input_split_axes={other_axes}) splits along an axis other than 0, which lightning_smp does "
+            "not: move the batch axis of those arguments to dim 0 (e.g. `x.transpose(0, axis)`) before the call, "
+            "and back inside the step."
+        )
+    whole_names = frozenset(non_split_inputs or ())
+    signature = inspect.signature(function)
 
     @functools.wraps(function)
     def run(*args: Any, **kwargs: Any) -> Any:
         script = script_run("step")
         model = _model(script)
         model.run_post_partition_hooks()
+        whole: dict[str, Any] = {}
+        if whole_names:
+            bound = signature.bind(*args, **kwargs)
+            whole = {name: bound.arguments.pop(name) for name in whole_names if name in bound.arguments}
+            args, kwargs = bound.args, bound.kwargs
         training = torch.is_grad_enabled()
-        outputs = _StepCall(function, script, model).run(args, kwargs, training=training)
+        outputs = _StepCall(function, script, model, whole).run(args, kwargs, training=training)
         return _as_step_outputs(outputs)
 
     return run
@@ -84,8 +107,11 @@ def step(function: Callable[..., Any] | None = None, **_: Any) -> Any:
 class _StepCall:
     """One call of a step function: its body per microbatch, where ``model.backward`` goes during it."""
 
-    def __init__(self, body: Callable[..., Any], script: ScriptRun, model: DistributedModel) -> None:
+    def __init__(
+        self, body: Callable[..., Any], script: ScriptRun, model: DistributedModel, whole: dict[str, Any]
+    ) -> None:
         self._body, self._script, self._model = body, script, model
+        self._whole = whole  # `non_split_inputs`: handed to every microbatch as they are
         self._microbatches = script.config.microbatches
         self._index = 0
         self._loss: Tensor | None = None  # a pipelined microbatch's loss, handed over by model.backward
@@ -132,7 +158,7 @@ class _StepCall:
 
     def _call(self, packed: tuple[tuple, dict]) -> Any:
         args, kwargs = packed
-        return self._body(*args, **kwargs)
+        return self._body(*args, **kwargs, **self._whole)
 
     # -- model.backward(loss) ------------------------------------------------------------------------------------
 
