@@ -23,8 +23,10 @@ __all__ = [
     "assert_fp16_matches",
     "assert_same_overflow",
     "assert_tensors_close",
+    "lightning_batches",
     "mean_losses",
     "one_process",
+    "plain_fit",
     "single_device_run",
 ]
 
@@ -106,17 +108,17 @@ def single_device_run(
 
 
 class _LossScale:
-    """smp's dynamic loss scale with its defaults but ``init_scale``: halved (down to 1) by a step whose gradients
-    overflow, doubled after 1000 clean steps in a row."""
+    """smp's dynamic loss scale with its defaults but ``init_scale`` (and ``scale_window``): halved (down to 1) by a
+    step whose gradients overflow, doubled after ``scale_window`` clean steps in a row."""
 
-    def __init__(self, init_scale: float) -> None:
-        self.value, self._clean = init_scale, 0
+    def __init__(self, init_scale: float, scale_window: int = 1000) -> None:
+        self.value, self._clean, self._window = init_scale, 0, scale_window
 
     def update(self, overflow: bool) -> None:
         self._clean = 0 if overflow else self._clean + 1
         if overflow:
             self.value = max(self.value / 2, 1.0)
-        elif self._clean % 1000 == 0:
+        elif self._clean % self._window == 0:
             self.value *= 2
 
 
@@ -142,6 +144,81 @@ def _master_step(
     for param, master in zip(params, masters, strict=True):
         param.copy_(master)
     return False
+
+
+def lightning_batches(loader: Any, count: int) -> list[Any]:
+    """``count`` batches of ``loader`` in the order a Trainer's one replica reads them: its dataset through the
+    ``DistributedSampler`` Lightning puts in (shuffled with seed 0, reshuffled each epoch), ``loader.batch_size``
+    samples each."""
+    sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, seed=0)
+    per_epoch = len(sampler) // loader.batch_size
+    batches = []
+    for step in range(count):
+        epoch, index = divmod(step, per_epoch)
+        sampler.set_epoch(epoch)
+        order = list(sampler)[index * loader.batch_size : (index + 1) * loader.batch_size]
+        batches.append(loader.dataset[torch.tensor(order)])
+    return batches
+
+
+def plain_fit(
+    model: nn.Module,
+    loss: Callable[[Any, Any], Tensor],
+    batches: Sequence[Any],
+    *,
+    optimizer: Any,
+    accumulate: int = 1,
+    fp16: Mapping[str, float] | None = None,
+    validation: Sequence[Any] = (),
+) -> dict[str, Any]:
+    """A Trainer's fit written as a plain torch loop, for references that record what a layout test compares: a step
+    per ``accumulate`` batches (each batch's loss divided by ``accumulate``), ``optimizer`` built over ``model``.
+    ``fp16``: ``{"init_scale": ..., "scale_window": ...}``, fp16 parameters with fp32 masters and smp's dynamic scale.
+    Returns ``losses`` (per batch), ``initial`` (the parameters before training, in the trained dtype, as fp32, by
+    name), ``grads`` (fp32 runs: each step's gradients by name), ``norms`` (fp16: each step's global norm of the
+    unscaled master gradients, -1 where they overflowed), ``skipped`` and ``scale``, and ``val_loss`` (the mean loss
+    over ``validation`` after training, in eval mode; None without)."""
+    if fp16 is not None:
+        model.half()
+    named = dict(model.named_parameters())
+    initial = {name: param.detach().float().clone() for name, param in named.items()}  # as trained: fp16 rounded
+    params = list(named.values())
+    if fp16 is not None:
+        masters = [param.detach().float().clone() for param in params]
+        master_of = {id(param): master for param, master in zip(params, masters, strict=True)}
+        groups = [{**group, "params": [master_of[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
+        optimizer = type(optimizer)(groups)
+        scale = _LossScale(fp16["init_scale"], int(fp16.get("scale_window", 1000)))
+    losses, grads, norms, skipped = [], [], [], 0
+    for start in range(0, len(batches), accumulate):
+        model.zero_grad()
+        for batch in batches[start : start + accumulate]:
+            value = loss(model, batch)
+            losses.append(value.item())
+            (value.float() * (scale.value if fp16 is not None else 1.0) / accumulate).backward()
+        if fp16 is None:
+            grads.append({name: param.grad.detach().float().clone() for name, param in named.items()})
+            optimizer.step()
+            continue
+        unscaled = [param.grad.float() / scale.value for param in params]
+        finite = all(torch.isfinite(grad).all() for grad in unscaled)
+        norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in unscaled])).item() if finite else -1.0)
+        skipped += _master_step(params, masters, optimizer, scale, clip_norm=None)
+    val_loss = None
+    if validation:
+        model.eval()
+        with torch.no_grad():
+            val_loss = sum(loss(model, batch).item() for batch in validation) / len(validation)
+        model.train()
+    return {
+        "losses": losses,
+        "initial": initial,
+        "grads": grads,
+        "norms": norms,
+        "skipped": skipped if fp16 is not None else 0.0,
+        "scale": scale.value if fp16 is not None else None,
+        "val_loss": val_loss,
+    }
 
 
 def one_process(target: Callable[..., Any], *args: Any, timeout: float) -> Any:
