@@ -66,6 +66,17 @@ class FabricGPT(TinyGPT):
         return DataLoader(TensorDataset(*token_batches(seed=1, samples=64)), batch_size=BATCH)
 
 
+class FabricLlama(script_tests.ScriptLlama):
+    """`tests.test_smp_script.ScriptLlama` (a transformers Llama, split by its own ``tp_plan``) with AdamW and token
+    data, as `_train` and `single_device_run` read them."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(*token_batches(seed=2, samples=64)), batch_size=BATCH)
+
+
 def _mse(model: Any, batch: Any, step: int = 0) -> Tensor:
     """The mean squared error, times 0.6. In fp16 each replica's gradients (of its share of the batch) can be up to
     twice the global batch's, so at a loss scale near the edge a replica overflows where one device does not (smp's
@@ -80,7 +91,7 @@ def _next_token(model: Any, batch: Any, step: int = 0) -> Tensor:
     return F.cross_entropy(model(ids).float().reshape(-1, VOCAB), target.reshape(-1))
 
 
-_MODELS = {"mlp": (Regressor, _mse), "gpt": (FabricGPT, _next_token)}
+_MODELS = {"mlp": (Regressor, _mse), "gpt": (FabricGPT, _next_token), "llama": (FabricLlama, _next_token)}
 
 
 def _fabric(settings: dict[str, Any]) -> tuple[L.Fabric, SMPFabricStrategy]:
@@ -366,3 +377,10 @@ def test_a_pipeline_in_a_fabric_loop_runs_through_smp_step_and_its_save_loads_wh
     assert set(weights) == set(reference["weights"])
     for run in (first, second):  # the fp32 masters, each from its owning stage: in fp16, the stage's parameters
         assert run["held"] and all(torch.equal(weights[name].half(), value) for name, value in run["held"].items())
+
+
+def test_a_transformers_llama_in_a_fabric_loop_splits_by_its_own_plan_and_trains_as_plain_torch():
+    pytest.importorskip("transformers")
+    runs = run_distributed(_train, 2, {"tensor_parallel_degree": 2}, "llama", timeout=180)
+    assert all(run["split"] for run in runs)  # the transformers model's own tp_plan split it
+    _assert_fp32_matches(runs, _reference("llama", replicas=2), weights=False)

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
-from tests.gpt import VOCAB, WIDTH, token_batches
+from tests.gpt import VOCAB, WIDTH, llama_config, token_batches
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, mean_losses, single_device_run
 
@@ -53,8 +53,28 @@ class ScriptGPT(nn.Module):
         return self.head(hidden)
 
 
-class _Recipe(ScriptGPT):
+class ScriptLlama(nn.Module):
+    """A Hugging Face transformers Llama (`tests.gpt.llama_config`), a third-party model as a script builds it:
+    under ``smp.model_creation``, so that tensor parallelism splits it by its own ``tp_plan``; its logits out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            self.llama = transformers.LlamaForCausalLM(llama_config())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.llama(ids).logits
+
+
+MODELS = {"gpt": ScriptGPT, "llama": ScriptLlama}
+
+
+class _Recipe:
     """The reference's view of the script: its optimizer and its data, as `single_device_run` reads them."""
+
+    replicas = 1
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=LR)
@@ -62,7 +82,13 @@ class _Recipe(ScriptGPT):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(DATASET, batch_size=BATCH // self.replicas)
 
-    replicas = 1
+
+class _GPTRecipe(_Recipe, ScriptGPT):
+    pass
+
+
+class _LlamaRecipe(_Recipe, ScriptLlama):
+    pass
 
 
 def _loss(model: nn.Module, batch: tuple[Tensor, Tensor], step: int = 0) -> Tensor:
@@ -70,11 +96,12 @@ def _loss(model: nn.Module, batch: tuple[Tensor, Tensor], step: int = 0) -> Tens
     return F.cross_entropy(model(inputs).reshape(-1, VOCAB).float(), targets.reshape(-1))
 
 
-def _reference(replicas: int, *, steps: int = STEPS, **options: Any) -> dict:
-    """The plain torch run of the script's model on the global batch (``replicas`` shares of it in order);
+def _reference(replicas: int, *, steps: int = STEPS, model: str = "gpt", **options: Any) -> dict:
+    """The plain torch run of the script's ``model`` on the global batch (``replicas`` shares of it in order);
     ``options`` as `single_device_run` takes them (``fp16``, ``init_scale``, ``clip_norm``)."""
     _Recipe.replicas = replicas
-    return single_device_run(_Recipe, _loss, steps=steps, replicas=replicas, **options)
+    recipe = {"gpt": _GPTRecipe, "llama": _LlamaRecipe}[model]
+    return single_device_run(recipe, _loss, steps=steps, replicas=replicas, **options)
 
 
 @smp.step
@@ -95,8 +122,11 @@ def _script(rank: int, config: dict, options: dict) -> dict:
     saves a checkpoint after a step (``"save_after"``, into ``"directory"``) or resumes from one (``"resume"``)."""
     smp.init(config)
     torch.manual_seed(0)
-    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-        model = ScriptGPT()
+    if options.get("model") == "llama":
+        model = ScriptLlama()  # builds itself under smp.model_creation
+    else:
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            model = ScriptGPT()
     built_on_meta = next(model.parameters()).is_meta
     if options.get("before_wrapping"):
         optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -169,6 +199,15 @@ def test_a_script_trains_as_the_single_process_torch_run(layout: str) -> None:
     assert runs[0]["built_on_meta"] == config.get("delayed_parameter_initialization", False)
     assert len(runs[0]["evaluation"]) == config.get("microbatches", 1)  # a number per microbatch, as smp's
     assert all(run["evaluation"] == runs[0]["evaluation"] for run in runs if run["dp"] == runs[0]["dp"])
+
+
+@pytest.mark.parametrize("layout", ["pp2", "tp2"])
+def test_a_transformers_llama_trains_in_a_script_as_the_torch_run(layout: str) -> None:
+    pytest.importorskip("transformers")
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2} if layout == "pp2" else {"tensor_parallel_degree": 2}
+    runs = _run(2, config, model="llama")
+    reference = _reference(1 if layout == "pp2" else 2, model="llama")
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(reference["losses"], rel=FP32_REL)
 
 
 def test_fp16_pp2_tp2_skips_the_steps_the_torch_run_skips() -> None:
