@@ -334,12 +334,12 @@ def test_the_fabric_example_learns_at_tp2_in_fp16():
     assert losses[0] == losses[1] < 3.5  # from ln(64) = 4.16; fp16's first steps are skipped while the scale falls
 
 
-def _pipelined_loop(rank: int, directory: str) -> dict[str, Any]:
+def _pipelined_loop(rank: int, directory: str, model_name: str) -> dict[str, Any]:
     """A Fabric loop over two pipeline stages in fp16: smp's API in the loop (``smp.DistributedModel``,
     ``smp.DistributedOptimizer``, an ``@smp.step`` function with ``model.backward(loss)``), then ``fabric.save``."""
     fabric, _ = _fabric({"pipeline_parallel_degree": 2, "microbatches": 2, "fp16": True})
     torch.manual_seed(0)
-    model = smp.DistributedModel(script_tests.ScriptGPT())
+    model = smp.DistributedModel(script_tests.MODELS[model_name]())
     optimizer = torch.optim.AdamW(model.parameters(), lr=script_tests.LR)
     optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})
     sampler = DistributedSampler(script_tests.DATASET, num_replicas=1, rank=0, seed=0)
@@ -356,24 +356,27 @@ def _pipelined_loop(rank: int, directory: str) -> dict[str, Any]:
     return {"losses": losses, "skipped": float(optimizer.skipped_steps), "scale": optimizer.loss_scale, "held": held}
 
 
-def _load_pipelined_save(rank: int, directory: str) -> dict[str, Tensor]:
+def _load_pipelined_save(rank: int, directory: str, model_name: str) -> dict[str, Tensor]:
     """The pipelined run's checkpoint loaded into the whole model set up by ``fabric.setup`` on one process."""
     fabric, _ = _fabric({})
     torch.manual_seed(1)  # other initial values: the load must replace them all
-    model = fabric.setup_module(script_tests.ScriptGPT())
+    model = fabric.setup_module(script_tests.MODELS[model_name]())
     state = {"model": model, "steps": 0}
     fabric.load(directory, state)
     assert state["steps"] == script_tests.STEPS
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-def test_a_pipeline_in_a_fabric_loop_runs_through_smp_step_and_its_save_loads_whole(tmp_path):
-    (first, second) = run_distributed(_pipelined_loop, 2, str(tmp_path / "ckpt"), timeout=120)
-    reference = script_tests._reference(1, fp16=True)
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_a_pipeline_in_a_fabric_loop_runs_through_smp_step_and_its_save_loads_whole(tmp_path, model_name):
+    if model_name == "llama":
+        pytest.importorskip("transformers")
+    (first, second) = run_distributed(_pipelined_loop, 2, str(tmp_path / "ckpt"), model_name, timeout=120)
+    reference = script_tests._reference(1, fp16=True, model=model_name)
     for run in (first, second):  # both stages report the last stage's losses, and skip the same steps
         assert run["losses"] == pytest.approx(reference["losses"], rel=FP16_REL)
         assert_same_overflow(run, reference)
-    (weights,) = run_distributed(_load_pipelined_save, 1, str(tmp_path / "ckpt"), timeout=120)
+    (weights,) = run_distributed(_load_pipelined_save, 1, str(tmp_path / "ckpt"), model_name, timeout=120)
     assert set(weights) == set(reference["weights"])
     for run in (first, second):  # the fp32 masters, each from its owning stage: in fp16, the stage's parameters
         assert run["held"] and all(torch.equal(weights[name].half(), value) for name, value in run["held"].items())
