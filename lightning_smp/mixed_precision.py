@@ -31,12 +31,14 @@ if TYPE_CHECKING:
     from lightning_smp.config import SMPConfig
     from lightning_smp.topology import Topology
 
-__all__ = ["LossScaling", "PrecisionRules"]
+__all__ = ["PRECISION_NAMES", "LossScaling", "PrecisionRules"]
 
 LossScaling = Callable[..., Tensor]
 """``(loss, divide_by=1) -> the tensor backward starts from`` (`PrecisionRules.loss_scaling`)."""
 
-_DTYPES = (torch.float16, torch.bfloat16, None)
+PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
+"""Lightning's (and Fabric's) name for each parameter dtype, which sizes parameters in the model summary and is
+recorded in checkpoints; the fp32 masters are the optimizer's."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class PrecisionRules:
     reduction: ReductionPlan = field(default_factory=ReductionPlan)
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
+        if self.dtype not in PRECISION_NAMES:
             raise ValueError(f"dtype={self.dtype} is not supported; use torch.float16, torch.bfloat16 or None.")
 
     @classmethod
@@ -73,6 +75,11 @@ class PrecisionRules:
             clip_norm=config.sdp_gradient_clipping if config.sharded_data_parallel_degree > 1 else None,
             reduction=reduction if reduction is not None else ReductionPlan(),
         )
+
+    @property
+    def precision_name(self) -> str:
+        """Lightning's name for the parameter dtype (`PRECISION_NAMES`)."""
+        return PRECISION_NAMES[self.dtype]
 
     # -- module and data ------------------------------------------------------------------------------------
 

@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_smp._compat import after_closure, replace_scheduler_methods, scheduler_state_without
 from lightning_smp.grad_vote import clip_grad_norm_counted
-from lightning_smp.mixed_precision import LossScaling, PrecisionRules
+from lightning_smp.mixed_precision import PRECISION_NAMES, LossScaling, PrecisionRules
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.reduction import ReductionPlan
 
@@ -32,9 +32,6 @@ if TYPE_CHECKING:
     from lightning_smp.topology import Topology
 
 __all__ = ["SMPPrecision"]
-
-# Lightning's names for the parameter dtype (what ModelSummary sizes parameters by); the masters are extra.
-_PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
 
 
 class SMPPrecision(Precision):
@@ -59,12 +56,12 @@ class SMPPrecision(Precision):
         dynamic_loss_args: dict[str, Any] | None = None,
         clip_norm: float | None = None,
     ) -> None:
-        if dtype not in _PRECISION_NAMES:
+        if dtype not in PRECISION_NAMES:
             raise ValueError(
                 f"SMPPrecision(dtype={dtype}) is not supported; use torch.float16, torch.bfloat16 or None."
             )
         self.dtype = dtype
-        self.precision = _PRECISION_NAMES[dtype]  # type: ignore[assignment]
+        self.precision = PRECISION_NAMES[dtype]  # type: ignore[assignment]
         self._rules = PrecisionRules(
             dtype,
             dynamic_loss_scale=dynamic_loss_scale,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import torch
 from lightning.fabric.plugins.precision import Precision
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -26,16 +25,13 @@ from lightning_smp.topology import Topology
 
 __all__ = ["SMPFabricPrecision"]
 
-# Fabric's names for the parameter dtype; the fp32 masters are the optimizer's.
-_PRECISION_NAMES = {torch.float16: "16-true", torch.bfloat16: "bf16-true", None: "32-true"}
-
 
 class SMPFabricPrecision(Precision):
     """fp16 or bf16 parameters with fp32 master weights (fp16 adds smp's loss scaling), or fp32: ``rules``."""
 
     def __init__(self, rules: PrecisionRules) -> None:
         self._rules = rules
-        self.precision = _PRECISION_NAMES[rules.dtype]  # type: ignore[assignment]
+        self.precision = rules.precision_name  # type: ignore[assignment]
         self._wrapped: list[MasterWeightOptimizer] = []
 
     @property

@@ -162,8 +162,9 @@ class ScriptRun:
         return self.model
 
     def _describe(self) -> dict[str, Any]:
-        precision = {torch.float16: "16-mixed", torch.bfloat16: "bf16-mixed", None: "32-true"}[self.rules.dtype]
-        return checkpointing.describe_run(topology=self.run.topology, config=self.config, precision=precision)
+        return checkpointing.describe_run(
+            topology=self.run.topology, config=self.config, precision=self.rules.precision_name
+        )
 
 
 _script: ScriptRun | None = None
