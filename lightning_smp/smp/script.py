@@ -179,7 +179,6 @@ def init(config: Mapping[str, Any] | None = None) -> None:
     (``OMPI_COMM_WORLD_*``, with ``MASTER_ADDR`` and ``MASTER_PORT`` set), or this one process alone. On a GPU each
     process takes the device of its local rank (NCCL); on the CPU gloo.
     """
-    global _script
     if current().running:
         raise RuntimeError(
             "smp.init() was called while a run is under way (a Trainer's SMPStrategy, or an earlier smp.init()): "
@@ -190,7 +189,7 @@ def init(config: Mapping[str, Any] | None = None) -> None:
         rank_zero_warn(line)
     device = _join_the_job()
     run = RunContext.start(settings, world_size=dist.get_world_size(), device_type=device.type, timeout=_TIMEOUT)
-    script = _script = ScriptRun(run, PrecisionRules.of(settings, run.reduction), device)
+    script = _open(ScriptRun(run, PrecisionRules.of(settings, run.reduction), device))
     start_run(
         RunRecord.from_topology(
             run.topology,
@@ -202,8 +201,6 @@ def init(config: Mapping[str, Any] | None = None) -> None:
             load_checkpoint=script.load_checkpoint,
         )
     )
-    fault_tolerance.close_process_groups_at_exit(script)
-    _note_failures(script)
 
 
 def attach(run: RunContext, rules: PrecisionRules, device: torch.device) -> ScriptRun:
@@ -211,11 +208,7 @@ def attach(run: RunContext, rules: PrecisionRules, device: torch.device) -> Scri
     started (a Fabric loop: its strategy made the run and the facade's record), as they run after ``smp.init()``.
     Like a script's, it settles and frees its groups at exit unless the process is failing; the door may end it
     earlier with `detach`."""
-    global _script
-    script = _script = ScriptRun(run, rules, device, attached=True)
-    fault_tolerance.close_process_groups_at_exit(script)
-    _note_failures(script)
-    return script
+    return _open(ScriptRun(run, rules, device, attached=True))
 
 
 def detach() -> None:
@@ -269,13 +262,29 @@ def _join_the_job() -> torch.device:
     return device
 
 
-def _note_failures(script: ScriptRun) -> None:
-    """An exception that ends the script marks the run failed, so the process groups are left to the launcher at
-    exit (destroying them with collectives in flight on other ranks could block)."""
+def _open(script: ScriptRun) -> ScriptRun:
+    """Make ``script`` the process's run: the smp calls find it, it settles and frees its groups at exit, and an
+    exception that ends the process marks it failed (the hook is installed once per process)."""
+    global _script, _failures_noted
+    _script = script
+    fault_tolerance.close_process_groups_at_exit(script)
+    if not _failures_noted:
+        _failures_noted = True
+        _note_failures()
+    return script
+
+
+_failures_noted = False
+
+
+def _note_failures() -> None:
+    """An exception that ends the process marks the current run failed, so the process groups are left to the
+    launcher at exit (destroying them with collectives in flight on other ranks could block)."""
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], error: BaseException, trace: Any) -> None:
-        script.failed = True
+        if _script is not None:
+            _script.failed = True
         previous(kind, error, trace)
 
     sys.excepthook = hook

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_smp.mixed_precision import LossScaling, PrecisionRules
 from lightning_smp.pipeline.results import MicrobatchOutputs
 from lightning_smp.smp.model import DistributedModel
 from lightning_smp.smp.script import ScriptRun, script_run
@@ -115,6 +116,7 @@ class _StepCall:
         self._microbatches = script.config.microbatches
         self._index = 0
         self._loss: Tensor | None = None  # a pipelined microbatch's loss, handed over by model.backward
+        self._scale_loss: LossScaling = PrecisionRules.loss_scaling(None)  # a training call's: set in `run`
 
     def run(self, args: tuple, kwargs: dict, *, training: bool) -> list[Any]:
         engine = self._model.engine
@@ -123,6 +125,7 @@ class _StepCall:
         if not training:
             outputs = engine.evaluation_step(self._evaluate, batch, {}, results=MicrobatchOutputs(), name="smp.step")
             return [output[_RETURNED] for output in outputs] if pipelined else outputs
+        self._scale_loss = self._script.loss_scaling()  # the step's optimizer and scale, looked up once
         backward = self._hand_over_loss if pipelined else self._backward
         with self._model.stepping(backward):
             outputs = engine.training_step(
@@ -130,7 +133,7 @@ class _StepCall:
                 batch,
                 {},
                 results=MicrobatchOutputs(),
-                scale_loss=self._script.loss_scaling(),
+                scale_loss=self._scale_loss,
                 sync=True,
                 name="smp.step",
             )
@@ -164,7 +167,7 @@ class _StepCall:
 
     def _backward(self, loss: Tensor) -> None:
         with self._model.engine.attention("backward"):
-            self._script.loss_scaling()(loss, divide_by=self._microbatches).backward()
+            self._scale_loss(loss, divide_by=self._microbatches).backward()
 
     def _hand_over_loss(self, loss: Tensor) -> None:
         self._loss = loss
