@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import socket
 import statistics
 import sys
@@ -295,7 +296,18 @@ def spawn(
         child = ctx.Process(target=_child, args=(target, rank, child_env, args, out, *extra))
         child.start()
         children.append(child)
-    results = [out.get(timeout=args.timeout) for _ in children]
+    results = []
+    deadline = time.monotonic() + args.timeout
+    while len(results) < processes:
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:
+            failed = [child.exitcode for child in children if child.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:  # a rank died (its error is on stderr) or the run hangs
+                for child in children:
+                    child.kill()
+                reason = f"a rank exited with {failed[0]}" if failed else f"no result in {args.timeout:.0f} s"
+                raise RuntimeError(f"{getattr(target, '__name__', target)}: {reason}") from None
     for child in children:
         child.join(timeout=30)
     return results

@@ -201,11 +201,34 @@ def test_checkpoint_stall_times_saving_and_normal_steps_of_both_kinds(tmp_path: 
 
 
 def test_doors_bench_reports_each_door_against_the_trainers_step(capsys: pytest.CaptureFixture[str]) -> None:
-    # a launch costs about a minute of CPU (five two-rank runs), so only the report is exercised here
+    # a two-rank launch costs about a minute of CPU (five two-rank runs), so only the report is exercised here
     args = doors_bench.parse_args(["--layouts", "pp2,tp2", "--doors", "trainer,script,fabric"])
-    best = {("trainer", "pp2"): 0.05, ("script", "pp2"): 0.055, ("trainer", "tp2"): 0.1, ("fabric", "tp2"): 0.098}
+    best = {
+        (door, layout): {"seconds": seconds, "loss": 1.5, "skipped": 0.0}
+        for door, layout, seconds in (
+            ("trainer", "pp2", 0.05),
+            ("script", "pp2", 0.055),
+            ("trainer", "tp2", 0.1),
+            ("fabric", "tp2", 0.098),
+        )
+    }
     pp2, tp2 = doors_bench.report(best, args)["rows"]
     assert pp2["script_over_trainer"] == pytest.approx(1.1) and "fabric_s" not in pp2
     assert pp2["microbatches"] == 8 and tp2["microbatches"] == 1
     assert tp2["fabric_over_trainer"] == pytest.approx(0.98) and "script_s" not in tp2
-    assert "pp2: script 55.0 ms/step (1.100x)" in capsys.readouterr().out
+    assert "pp2: script 55.00 ms/step (1.100x); last loss 1.500000, 0 skipped" in capsys.readouterr().out
+
+
+def test_doors_bench_one_process_fp16_trains_the_same_in_every_door(tmp_path: Path) -> None:
+    # the layout the lent GPU runs (`benchmarks/gpu_checks.sh`), here on the CPU with the tiny GPT
+    out = tmp_path / "doors.json"
+    common = ["--model", "gpt", "--size", "tiny", "--batch", "4", "--fp16", "--rounds", "1"]
+    run_benchmark("doors_bench.py", "--layouts", "one", *common, "--steps", "2", "--warmup", "1", "--out", str(out))
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["layout"] == "one" and row["fp16"]
+    assert all(_positive(row[f"{door}_s"]) for door in doors_bench.DOORS)
+    # one model, one batch, one engine: every door ends on the same loss after skipping the same steps
+    assert {row[f"{door}_loss"] for door in doors_bench.DOORS} == {row["trainer_loss"]}
+    assert {row[f"{door}_skipped"] for door in doors_bench.DOORS} == {3.0}  # smp's first scale, 2**32, overflows
+    with pytest.raises(SystemExit):
+        doors_bench.parse_args(["--accelerator", "cuda", *common])  # two ranks on one GPU: NCCL refuses
