@@ -53,6 +53,29 @@ section() {
     [ $rc -eq 0 ] || STATUS=1
 }
 
+# The lent machine's Python has its own torch, which may be older than setup.cfg's range (torch 2.11 there on
+# 2026-12-04, against >=2.13) and cannot be replaced (no registry; a CUDA wheel is over the transfer limit). Under an
+# older torch, a sitecustomize gives the one name our import needs that torch 2.11 lacks (FSDP2's
+# ShardPlacementResult, used only by sharded data parallelism's small-parameter placement, which one GPU never runs)
+# a stand-in that refuses to be built. The log says so: figures from such a run are that torch's.
+if ! $PY -c 'import sys, torch; sys.exit(tuple(map(int, torch.__version__.split("+")[0].split(".")[:2])) < (2, 13))'
+then
+    mkdir -p /tmp/torch_shim
+    cat >/tmp/torch_shim/sitecustomize.py <<'SHIM'
+import torch.distributed.fsdp._fully_shard._fsdp_common as common
+
+if not hasattr(common, "ShardPlacementResult"):
+
+    class ShardPlacementResult:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("sharded data parallelism's placement needs torch >= 2.13 (gpu_checks.sh stand-in)")
+
+    common.ShardPlacementResult = ShardPlacementResult
+SHIM
+    export PYTHONPATH=/tmp/torch_shim:$PYTHONPATH
+    echo "torch is older than setup.cfg's range: FSDP2's ShardPlacementResult comes from /tmp/torch_shim"
+fi
+
 echo "== environment ($(date -Iseconds)), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || echo "(no nvidia-smi)"
 if ! $PY -c '
