@@ -77,8 +77,8 @@ class Layers(nn.Module):
 def _model(args: argparse.Namespace) -> nn.Module:
     from lightning_smp import smp
 
-    torch.manual_seed(0)
-    with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+    torch.manual_seed(0)  # built on the CPU in every door (a Trainer's configure_model runs on the device)
+    with torch.device("cpu"), smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
         if args.model == "gpt":
             return gpt_model.GPT(gpt_model.GPTConfig.preset(args.size))
         return Layers(args)
@@ -255,6 +255,7 @@ def measure(args: argparse.Namespace) -> dict[tuple[str, str], dict[str, float]]
                     continue  # pipelines under Fabric run through smp.step: the script door's figure
                 per_rank = [result for _, result in bench.spawn(_DOORS[door], _ranks(layout), args, layout)]
                 slowest = max(per_rank, key=lambda result: result["seconds"])  # a step ends with the slower rank's
+                print(f"{layout} {door}: " + ", ".join(f"{k} {v:.6g}" for k, v in slowest.items()), file=sys.stderr)
                 if slowest["seconds"] < best.get((door, layout), {"seconds": float("inf")})["seconds"]:
                     best[(door, layout)] = slowest
     return best
