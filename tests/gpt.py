@@ -8,6 +8,9 @@ the pipeline, and a head tied to the token embedding. `BlockGPT` is built at con
 between stages), with the head tied or not. `TinyLlama` wraps a transformers ``LlamaForCausalLM`` (grouped-query
 attention, an untied head: `llama_config`), random or ``from_pretrained``, optionally under peft's LoRA, with its
 own steps, optimizer and data (transformers and peft are imported only when it is built).
+
+`ScriptGPT` and `ScriptLlama` are plain ``nn.Module``s as smp v1 scripts build them (no Lightning hooks): a torch GPT
+with a ModuleList trunk and a tied head, and a transformers Llama created under ``smp.model_creation``.
 """
 
 import lightning.pytorch as pl
@@ -28,6 +31,8 @@ __all__ = [
     "WIDTH",
     "AdamWGPT",
     "BlockGPT",
+    "ScriptGPT",
+    "ScriptLlama",
     "TinyGPT",
     "TinyLlama",
     "llama_config",
@@ -212,3 +217,38 @@ class TinyLlama(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         ids, target = token_batches(seed=1, samples=64)
         return DataLoader(TensorDataset(ids % self.model.config.vocab_size, target), batch_size=4)
+
+
+class ScriptGPT(nn.Module):
+    """A plain torch GPT as smp scripts build one: embeddings, a ModuleList of torch transformer layers (the trunk
+    a pipeline splits, the layers tensor parallelism splits), a head tied to the token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True) for _ in range(4)
+        )
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        hidden = self.embedding(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+
+class ScriptLlama(nn.Module):
+    """A Hugging Face transformers Llama (`llama_config`), a third-party model as a script builds it: under
+    ``smp.model_creation``, so that tensor parallelism splits it by its own ``tp_plan``; its logits out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            self.llama = transformers.LlamaForCausalLM(llama_config())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.llama(ids).logits
