@@ -10,7 +10,9 @@ attention, an untied head: `llama_config`), random or ``from_pretrained``, optio
 own steps, optimizer and data (transformers and peft are imported only when it is built).
 
 `ScriptGPT` and `ScriptLlama` are plain ``nn.Module``s as smp v1 scripts build them (no Lightning hooks): a torch GPT
-with a ModuleList trunk and a tied head, and a transformers Llama created under ``smp.model_creation``.
+with a ModuleList trunk and a tied head, and a transformers Llama created under ``smp.model_creation``. `lit_gpt`
+builds LitGPT's ``litgpt.GPT`` (a third-party model with its own module layout: `litgpt_config`), imported only when
+it is built: litgpt is a test-only dependency that `scripts/setup.sh` installs without its own requirements.
 """
 
 import lightning.pytorch as pl
@@ -35,6 +37,8 @@ __all__ = [
     "ScriptLlama",
     "TinyGPT",
     "TinyLlama",
+    "lit_gpt",
+    "litgpt_config",
     "llama_config",
     "token_batches",
 ]
@@ -252,3 +256,25 @@ class ScriptLlama(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.llama(ids).logits
+
+
+def litgpt_config(**overrides):
+    """A tiny Llama-shaped ``litgpt.Config``: 2 blocks of width 16, 4 query heads over 2 key/value groups (grouped-
+    query attention), RMSNorm, LLaMAMLP (SiLU-gated), rotary embeddings over whole heads, no biases, an untied
+    head, VOCAB tokens, sequences up to SEQ; ``overrides`` replace any of it."""
+    import litgpt
+
+    tiny = {"block_size": SEQ, "vocab_size": VOCAB, "padded_vocab_size": VOCAB, "n_layer": 2, "n_embd": WIDTH}
+    llama = {"n_head": HEADS, "n_query_groups": 2, "intermediate_size": 2 * WIDTH, "rotary_percentage": 1.0}
+    shape = {"bias": False, "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP", "parallel_residual": False}
+    return litgpt.Config(**{**tiny, **llama, **shape, **overrides})
+
+
+def lit_gpt(*recipe: type, **overrides) -> nn.Module:
+    """LitGPT's ``litgpt.GPT`` over `litgpt_config` (``overrides``), built from the global RNG; its forward returns
+    the logits (B, T, VOCAB). ``recipe``: mixins put in front of ``litgpt.GPT`` in a subclass (a test's
+    ``configure_optimizers`` / ``train_dataloader``), which changes neither the modules nor their names."""
+    import litgpt
+
+    cls = type("LitGPT", (*recipe, litgpt.GPT), {}) if recipe else litgpt.GPT
+    return cls(litgpt_config(**overrides))
