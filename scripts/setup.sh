@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent environment setup: .venv in the repo root with torch and this package installed editable with its
-# test extras, at the newest versions setup.cfg's ranges allow. Cheap when nothing changed (a stamp of setup.cfg +
-# pyproject.toml), so every script calls it.
+# test extras, at the newest versions setup.cfg's ranges allow, and LitGPT for its tests. Cheap when nothing changed
+# (a stamp of setup.cfg + pyproject.toml, and LitGPT's installed version), so every script calls it.
 # `bash scripts/setup.sh --oldest`: .venv-oldest instead, every dependency at the oldest version its range allows
 # (scripts/oldest_constraints.py), for CI's second job. `CONSTRAINTS=constraints.txt bash scripts/setup.sh`: the
 # exact versions of the last green CI run (constraints.txt), instead of the newest.
@@ -53,4 +53,15 @@ wanted="$(cat setup.cfg pyproject.toml ${CONSTRAINTS:+"$CONSTRAINTS"} | sha256su
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$wanted" ]; then
     "$VENV/bin/python" -m pip install --quiet --quiet "${constraints[@]}" -e ".[test]"
     echo "$wanted" >"$STAMP"
+fi
+# LitGPT, for the tests that train its GPT as a model no test here wrote (tests/test_fabric.py), in the newest job
+# only (the oldest runs none of them). Pinned to the version they passed on, and installed with --no-deps: its own
+# pins (jsonargparse<=4.41 and huggingface-hub<1.4, below the newest versions setup.cfg's ranges resolve to, and
+# psutil==7.2.2 exactly) would hold the environment back, which is also why it is not a setup.cfg extra; the tests
+# use only litgpt.GPT and litgpt.Config, and `import litgpt` needs nothing that .[test] does not install.
+# tests/test_dependencies.py checks the installed version against this pin (docs/contributing.md).
+LITGPT_VERSION="0.5.13"
+if [ "$VENV" = .venv ] && ! "$VENV/bin/python" -c \
+    "import importlib.metadata as m, sys; sys.exit(m.version('litgpt') != '$LITGPT_VERSION')" 2>/dev/null; then
+    "$VENV/bin/python" -m pip install --quiet --quiet --no-deps "litgpt==$LITGPT_VERSION"
 fi

@@ -8,6 +8,11 @@ the pipeline, and a head tied to the token embedding. `BlockGPT` is built at con
 between stages), with the head tied or not. `TinyLlama` wraps a transformers ``LlamaForCausalLM`` (grouped-query
 attention, an untied head: `llama_config`), random or ``from_pretrained``, optionally under peft's LoRA, with its
 own steps, optimizer and data (transformers and peft are imported only when it is built).
+
+`ScriptGPT` and `ScriptLlama` are plain ``nn.Module``s as smp v1 scripts build them (no Lightning hooks): a torch GPT
+with a ModuleList trunk and a tied head, and a transformers Llama created under ``smp.model_creation``. `lit_gpt`
+builds LitGPT's ``litgpt.GPT`` (a third-party model with its own module layout: `litgpt_config`), imported only when
+it is built: litgpt is a test-only dependency that `scripts/setup.sh` installs without its own requirements.
 """
 
 import lightning.pytorch as pl
@@ -28,8 +33,12 @@ __all__ = [
     "WIDTH",
     "AdamWGPT",
     "BlockGPT",
+    "ScriptGPT",
+    "ScriptLlama",
     "TinyGPT",
     "TinyLlama",
+    "lit_gpt",
+    "litgpt_config",
     "llama_config",
     "token_batches",
 ]
@@ -212,3 +221,60 @@ class TinyLlama(pl.LightningModule):
     def train_dataloader(self) -> DataLoader:
         ids, target = token_batches(seed=1, samples=64)
         return DataLoader(TensorDataset(ids % self.model.config.vocab_size, target), batch_size=4)
+
+
+class ScriptGPT(nn.Module):
+    """A plain torch GPT as smp scripts build one: embeddings, a ModuleList of torch transformer layers (the trunk
+    a pipeline splits, the layers tensor parallelism splits), a head tied to the token embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(
+            nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True) for _ in range(4)
+        )
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, ids: Tensor) -> Tensor:
+        hidden = self.embedding(ids)
+        for layer in self.layers:
+            hidden = layer(hidden)
+        return self.head(hidden)
+
+
+class ScriptLlama(nn.Module):
+    """A Hugging Face transformers Llama (`llama_config`), a third-party model as a script builds it: under
+    ``smp.model_creation``, so that tensor parallelism splits it by its own ``tp_plan``; its logits out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import transformers
+
+        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
+            self.llama = transformers.LlamaForCausalLM(llama_config())
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.llama(ids).logits
+
+
+def litgpt_config(**overrides):
+    """A tiny Llama-shaped ``litgpt.Config``: 2 blocks of width 16, 4 query heads over 2 key/value groups (grouped-
+    query attention), RMSNorm, LLaMAMLP (SiLU-gated), rotary embeddings over whole heads, no biases, an untied
+    head, VOCAB tokens, sequences up to SEQ; ``overrides`` replace any of it."""
+    import litgpt
+
+    tiny = {"block_size": SEQ, "vocab_size": VOCAB, "padded_vocab_size": VOCAB, "n_layer": 2, "n_embd": WIDTH}
+    llama = {"n_head": HEADS, "n_query_groups": 2, "intermediate_size": 2 * WIDTH, "rotary_percentage": 1.0}
+    shape = {"bias": False, "norm_class_name": "RMSNorm", "mlp_class_name": "LLaMAMLP", "parallel_residual": False}
+    return litgpt.Config(**{**tiny, **llama, **shape, **overrides})
+
+
+def lit_gpt(*recipe: type, **overrides) -> nn.Module:
+    """LitGPT's ``litgpt.GPT`` over `litgpt_config` (``overrides``), built from the global RNG; its forward returns
+    the logits (B, T, VOCAB). ``recipe``: mixins put in front of ``litgpt.GPT`` in a subclass (a test's
+    ``configure_optimizers`` / ``train_dataloader``), which changes neither the modules nor their names."""
+    import litgpt
+
+    cls = type("LitGPT", (*recipe, litgpt.GPT), {}) if recipe else litgpt.GPT
+    return cls(litgpt_config(**overrides))

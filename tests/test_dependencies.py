@@ -1,10 +1,12 @@
 """The dependency ranges setup.cfg declares are the ranges CI tests: each has a lower bound (the `--oldest` job installs
 it, scripts/oldest_constraints.py) and an upper bound (the newest version that passed); the libraries whose private
 names or defaults `lightning_smp._compat` uses are declared exactly as `_compat.CHECKED_VERSIONS` says they were
-checked; constraints.txt, the last green run's versions, lies inside the ranges; and this environment does too.
+checked; constraints.txt, the last green run's versions, lies inside the ranges; and this environment does too, with
+the test-only library that scripts/setup.sh installs outside setup.cfg (LitGPT) at the version it pins.
 """
 
 import importlib.metadata
+import re
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -15,6 +17,7 @@ from scripts.oldest_constraints import SETUP_CFG, declared_requirements, oldest_
 
 DECLARED = declared_requirements()
 CONSTRAINTS = SETUP_CFG.parent / "constraints.txt"
+SETUP_SH = SETUP_CFG.parent / "scripts" / "setup.sh"
 
 
 def _pins(path) -> dict[str, str]:
@@ -62,4 +65,17 @@ def test_this_environment_lies_inside_the_declared_ranges(name):
     assert SpecifierSet(DECLARED[name]).contains(Version(version).base_version), (
         f"{name} {version} is installed, outside setup.cfg's {name}{DECLARED[name]}: rerun bash scripts/setup.sh "
         "(or raise the bound as docs/contributing.md says)"
+    )
+
+
+def test_litgpt_is_installed_at_the_version_setup_sh_pins():
+    pinned = re.search(r'^LITGPT_VERSION="([^"]+)"$', SETUP_SH.read_text(), re.MULTILINE)
+    assert pinned is not None, "scripts/setup.sh pins LitGPT in LITGPT_VERSION"
+    try:
+        version = importlib.metadata.version("litgpt")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("litgpt is not installed (scripts/setup.sh installs it in .venv)")
+    assert version == pinned.group(1), (
+        f"litgpt {version} is installed, scripts/setup.sh pins {pinned.group(1)}: rerun bash scripts/setup.sh (or "
+        "move the pin as docs/contributing.md says)"
     )

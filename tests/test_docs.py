@@ -145,7 +145,12 @@ _SMP_NAMES: dict[str, tuple[str, str, str]] = {
     "tensor_parallelism": ("same", "", ""),
     "set_tensor_parallelism": ("same", "", ""),
     "partition": ("same", "read with `auto_partition=False`", ""),
-    "set_partition": ("same", "read with `auto_partition=False`", ""),
+    "set_partition": (
+        "same",
+        "read with `auto_partition=False` for a trunk child; for a module outside the trunk always (the first stage "
+        "or the last)",
+        "",
+    ),
     "set_activation_checkpointing": ("same", "applied when the strategy sets the model up", ""),
     "tp_register": ("raises", "`tensor_parallel_plan` (name the custom module's layers)", "tensor_parallel_plan="),
     "tp_register_with_module": ("raises", "`tensor_parallel_plan`", "tensor_parallel_plan="),

@@ -4,6 +4,10 @@ data in plain PyTorch (`tests.parity.single_device_run`), and ``fabric.save`` / 
 
 Each rank reads what the strategy's ``distributed_sampler_kwargs`` give it, through torch's ``DistributedSampler``
 without shuffling, the order `single_device_run(shuffle=False)` assembles its global batches in.
+
+Models no test here wrote train the same way: a Hugging Face transformers Llama, and LitGPT's ``litgpt.GPT`` (at
+dp2 in fp16, at tp2 under the plan a user writes for it, in two fp16 pipeline stages; skipped without litgpt, which
+``scripts/setup.sh`` installs).
 """
 
 import importlib.util
@@ -20,19 +24,23 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import lightning_smp
-import tests.test_smp_script as script_tests
 from lightning_smp import SMPFabricStrategy, smp
 from lightning_smp.optimizer import MasterWeightOptimizer
 from lightning_smp.tensor_parallel import TensorParallelModule
 from tests.distributed import run_distributed
-from tests.gpt import VOCAB, TinyGPT, token_batches
+from tests.gpt import VOCAB, ScriptGPT, ScriptLlama, TinyGPT, lit_gpt, token_batches
 from tests.models import mlp, random_dataset
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, single_device_run
 
 BATCH = 4  # samples per rank and step
 _EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "fabric" / "train.py"
 STEPS = 6
+PIPELINE_STEPS = 4
+LR = 1e-2  # AdamW's, in `_AdamWTokens` and the pipelined loop
 INIT_SCALE = 2.0**17  # fp16: high enough that the first step overflows and is skipped, on every layout (see `_mse`)
+SCALES = {"script_gpt": 2.0**17, "llama": 2.0**18, "litgpt": 2.0**20}
+"""fp16's initial loss scale where a model's differs from `INIT_SCALE`: its first steps overflow and are skipped, in
+plain torch too, and later ones are not."""
 
 
 class Regressor(nn.Module):
@@ -66,15 +74,28 @@ class FabricGPT(TinyGPT):
         return DataLoader(TensorDataset(*token_batches(seed=1, samples=64)), batch_size=BATCH)
 
 
-class FabricLlama(script_tests.ScriptLlama):
-    """`tests.test_smp_script.ScriptLlama` (a transformers Llama, split by its own ``tp_plan``) with AdamW and token
-    data, as `_train` and `single_device_run` read them."""
+class _AdamWTokens:
+    """The recipe of the models no test here wrote, as `_train` and `single_device_run` read it: AdamW and 64 random
+    token sequences in batches of `BATCH`."""
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+        return torch.optim.AdamW(self.parameters(), lr=LR)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(TensorDataset(*token_batches(seed=2, samples=64)), batch_size=BATCH)
+
+
+class FabricLlama(_AdamWTokens, ScriptLlama):
+    """`tests.gpt.ScriptLlama` (a transformers Llama, split by its own ``tp_plan``) with `_AdamWTokens`."""
+
+
+class FabricScriptGPT(_AdamWTokens, ScriptGPT):
+    """`tests.gpt.ScriptGPT` (a plain torch GPT as smp scripts build one) with `_AdamWTokens`."""
+
+
+def _fabric_litgpt() -> nn.Module:
+    """LitGPT's own ``litgpt.GPT`` (`tests.gpt.lit_gpt`) with `_AdamWTokens`."""
+    return lit_gpt(_AdamWTokens)
 
 
 def _mse(model: Any, batch: Any, step: int = 0) -> Tensor:
@@ -91,7 +112,13 @@ def _next_token(model: Any, batch: Any, step: int = 0) -> Tensor:
     return F.cross_entropy(model(ids).float().reshape(-1, VOCAB), target.reshape(-1))
 
 
-_MODELS = {"mlp": (Regressor, _mse), "gpt": (FabricGPT, _next_token), "llama": (FabricLlama, _next_token)}
+_MODELS = {
+    "mlp": (Regressor, _mse),
+    "gpt": (FabricGPT, _next_token),
+    "llama": (FabricLlama, _next_token),
+    "litgpt": (_fabric_litgpt, _next_token),
+    "script_gpt": (FabricScriptGPT, _next_token),
+}
 
 
 def _fabric(settings: dict[str, Any]) -> tuple[L.Fabric, SMPFabricStrategy]:
@@ -140,7 +167,9 @@ def _train(
         "weights": {k: v.detach().float().clone() for k, v in strategy.split_model.state_dict().items()},
         "ddp": isinstance(model._forward_module, nn.parallel.DistributedDataParallel),
         "built_on_meta": built_on_meta,
-        "split": any(isinstance(module, TensorParallelModule) for module in strategy.split_model.modules()),
+        "split": [
+            name for name, module in strategy.split_model.named_modules() if isinstance(module, TensorParallelModule)
+        ],
     }
     if save_to is not None:
         fabric.save(save_to, {"model": model, "optimizer": optimizer, "step": steps})
@@ -178,7 +207,12 @@ def _load(rank: int, settings: dict[str, Any], path: str, model_name: str = "mlp
 
 
 def _reference(
-    model_name: str, *, replicas: int, fp16: bool = False, clip: float | None = None, steps: int = STEPS
+    model_name: str,
+    *,
+    replicas: int,
+    fp16: bool = False,
+    clip: float | None = None,
+    steps: int = STEPS,
 ) -> dict[str, Any]:
     build, loss_of = _MODELS[model_name]
     return single_device_run(
@@ -187,7 +221,7 @@ def _reference(
         steps=steps,
         replicas=replicas,
         fp16=fp16,
-        init_scale=INIT_SCALE,
+        init_scale=SCALES.get(model_name, INIT_SCALE),
         clip_norm=clip,
         shuffle=False,
     )
@@ -334,52 +368,82 @@ def test_the_fabric_example_learns_at_tp2_in_fp16():
     assert losses[0] == losses[1] < 3.5  # from ln(64) = 4.16; fp16's first steps are skipped while the scale falls
 
 
-def _pipelined_loop(rank: int, directory: str, model_name: str) -> dict[str, Any]:
-    """A Fabric loop over two pipeline stages in fp16: smp's API in the loop (``smp.DistributedModel``,
-    ``smp.DistributedOptimizer``, an ``@smp.step`` function with ``model.backward(loss)``), then ``fabric.save``."""
-    fabric, _ = _fabric({"pipeline_parallel_degree": 2, "microbatches": 2, "fp16": True})
+@smp.step
+def _pipelined_step(model: smp.DistributedModel, ids: Tensor, target: Tensor) -> Tensor:
+    loss = _next_token(model, (ids, target))
+    model.backward(loss)
+    return loss
+
+
+def _pipelined_model(model_name: str) -> nn.Module:
+    model = _MODELS[model_name][0]()
+    if model_name == "litgpt":  # LitGPT registers its lm_head before its blocks; it runs after them
+        smp.set_partition(model.lm_head, smp.pp_size() - 1)
+    return model
+
+
+def _pipelined_loop(rank: int, directory: str, model_name: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A Fabric loop over two pipeline stages in fp16 (and ``settings``): the model built in ``fabric.init_module``,
+    smp's API in the loop (``smp.DistributedModel``, ``smp.DistributedOptimizer``, an ``@smp.step`` function with
+    ``model.backward(loss)``), then ``fabric.save``."""
+    fabric, _ = _fabric({"pipeline_parallel_degree": 2, "microbatches": 2, "fp16": True, **settings})
     torch.manual_seed(0)
-    model = smp.DistributedModel(script_tests.MODELS[model_name]())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=script_tests.LR)
-    optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 2**16})
-    sampler = DistributedSampler(script_tests.DATASET, num_replicas=1, rank=0, seed=0)
+    with fabric.init_module():
+        module = _pipelined_model(model_name)
+    built_on_meta = next(module.parameters()).is_meta
+    model = smp.DistributedModel(module)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    scaling = {"init_scale": SCALES[model_name]}
+    optimizer = smp.DistributedOptimizer(optimizer, dynamic_loss_scale=True, dynamic_loss_args=scaling)
     losses = []
-    for step, (inputs, targets) in enumerate(DataLoader(script_tests.DATASET, batch_size=8, sampler=sampler)):
-        if step == script_tests.STEPS:
-            break
+    for _, (ids, target) in zip(range(PIPELINE_STEPS), module.train_dataloader(), strict=False):
         optimizer.zero_grad()
-        _, loss = script_tests.train_step(model, inputs, targets)
-        losses.append(loss.reduce_mean().item())
+        losses.append(_pipelined_step(model, ids, target).reduce_mean().item())
         optimizer.step()
     fabric.save(directory, {"model": model, "optimizer": optimizer, "steps": len(losses)})
-    held = {name: value.detach().clone() for name, value in model.local_state_dict().items()}
-    return {"losses": losses, "skipped": float(optimizer.skipped_steps), "scale": optimizer.loss_scale, "held": held}
+    return {
+        "losses": losses,
+        "skipped": float(optimizer.skipped_steps),
+        "scale": optimizer.loss_scale,
+        "held": {name: value.detach().clone() for name, value in model.local_state_dict().items()},
+        "buffers": {name: value.clone() for name, value in model.get_module().named_buffers()},
+        "built_on_meta": built_on_meta,
+    }
 
 
 def _load_pipelined_save(rank: int, directory: str, model_name: str) -> dict[str, Tensor]:
     """The pipelined run's checkpoint loaded into the whole model set up by ``fabric.setup`` on one process."""
     fabric, _ = _fabric({})
     torch.manual_seed(1)  # other initial values: the load must replace them all
-    model = fabric.setup_module(script_tests.MODELS[model_name]())
+    model = fabric.setup_module(_MODELS[model_name][0]())
     state = {"model": model, "steps": 0}
     fabric.load(directory, state)
-    assert state["steps"] == script_tests.STEPS
+    assert state["steps"] == PIPELINE_STEPS
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def _assert_pipelined_run(tmp_path: Path, model_name: str, settings: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two fp16 stages in a Fabric loop (`_pipelined_loop`) train as plain torch (the same skipped steps) and
+    their save loads into the whole model; returns the two stages' records."""
+    directory = str(tmp_path / "ckpt")
+    runs = run_distributed(_pipelined_loop, 2, directory, model_name, settings, timeout=120)
+    reference = _reference(model_name, replicas=1, fp16=True, steps=PIPELINE_STEPS)
+    assert reference["skipped"] > 0, "the test should see skipped steps"
+    for run in runs:  # both stages report the last stage's losses, and skip the same steps
+        assert run["losses"] == pytest.approx(reference["losses"], rel=FP16_REL)
+        assert_same_overflow(run, reference)
+    (weights,) = run_distributed(_load_pipelined_save, 1, directory, model_name, timeout=120)
+    assert set(weights) == set(reference["weights"])
+    for run in runs:  # the fp32 masters, each from its owning stage: in fp16, the stage's parameters
+        assert run["held"] and all(torch.equal(weights[name].half(), value) for name, value in run["held"].items())
+    return runs
+
+
+@pytest.mark.parametrize("model_name", ["script_gpt", "llama"])
 def test_a_pipeline_in_a_fabric_loop_runs_through_smp_step_and_its_save_loads_whole(tmp_path, model_name):
     if model_name == "llama":
         pytest.importorskip("transformers")
-    (first, second) = run_distributed(_pipelined_loop, 2, str(tmp_path / "ckpt"), model_name, timeout=120)
-    reference = script_tests._reference(1, fp16=True, model=model_name)
-    for run in (first, second):  # both stages report the last stage's losses, and skip the same steps
-        assert run["losses"] == pytest.approx(reference["losses"], rel=FP16_REL)
-        assert_same_overflow(run, reference)
-    (weights,) = run_distributed(_load_pipelined_save, 1, str(tmp_path / "ckpt"), model_name, timeout=120)
-    assert set(weights) == set(reference["weights"])
-    for run in (first, second):  # the fp32 masters, each from its owning stage: in fp16, the stage's parameters
-        assert run["held"] and all(torch.equal(weights[name].half(), value) for name, value in run["held"].items())
+    _assert_pipelined_run(tmp_path, model_name, {})
 
 
 def test_a_transformers_llama_in_a_fabric_loop_splits_by_its_own_plan_and_trains_as_plain_torch():
@@ -387,3 +451,60 @@ def test_a_transformers_llama_in_a_fabric_loop_splits_by_its_own_plan_and_trains
     runs = run_distributed(_train, 2, {"tensor_parallel_degree": 2}, "llama", timeout=180)
     assert all(run["split"] for run in runs)  # the transformers model's own tp_plan split it
     _assert_fp32_matches(runs, _reference("llama", replicas=2), weights=False)
+
+
+# -- a LitGPT model: `litgpt.GPT`, a third-party model with its own module layout ---------------------------------
+
+# What a user writes to split LitGPT's GPT two ways. Its attention reshapes q, k and v by `config.n_head` and
+# `config.n_query_groups` (the whole model's), and `qkv` packs the query heads and the fewer key/value heads in one
+# weight, so the heads cannot be split across ranks without changing LitGPT. Its two projections still split with
+# whole activations around them ("colwise_gather_output" all-gathers qkv's output, "rowwise_split_input" takes the
+# whole input): each rank holds half of their weights, the attention itself runs whole on every rank. The MLP splits
+# as Megatron splits it, the embedding by vocabulary, the untied head by vocabulary with its logits gathered.
+LITGPT_TP_PLAN = {
+    "transformer.wte": "vocab",
+    "transformer.h.*.attn.qkv": "colwise_gather_output",
+    "transformer.h.*.attn.proj": "rowwise_split_input",
+    "transformer.h.*.mlp.fc_1": "colwise",
+    "transformer.h.*.mlp.fc_2": "colwise",
+    "transformer.h.*.mlp.proj": "rowwise",
+    "lm_head": "colwise_gather_output",
+}
+
+
+def test_a_litgpt_model_trains_in_a_fabric_loop_at_dp2_in_fp16_as_plain_torch_with_masters():
+    pytest.importorskip("litgpt")
+    settings = {"fp16": True, "dynamic_loss_args": {"init_scale": SCALES["litgpt"]}}
+    runs = run_distributed(_train, 2, settings, "litgpt", timeout=90)
+    reference = _reference("litgpt", replicas=2, fp16=True)
+    assert reference["skipped"] > 0, "the test should see skipped steps"
+    for run in runs:
+        assert run["wrapped"] and run["ddp"]
+        assert_same_overflow(run, reference)
+    assert mean_losses(runs, steps=STEPS) == pytest.approx(reference["losses"], rel=FP16_REL)
+
+
+def test_a_litgpt_model_in_a_fabric_loop_splits_by_a_users_plan_at_tp2_and_trains_as_plain_torch():
+    """The plan `LITGPT_TP_PLAN` (see there why LitGPT's attention heads stay whole) splits every layer it names."""
+    pytest.importorskip("litgpt")
+    settings = {"tensor_parallel_degree": 2, "tensor_parallel_plan": LITGPT_TP_PLAN}
+    runs = run_distributed(_train, 2, settings, "litgpt", timeout=90)
+    blocks = [f"transformer.h.{i}.{layer}" for i in range(2) for layer in ("attn.qkv", "attn.proj", "mlp.fc_1")]
+    blocks += [f"transformer.h.{i}.{layer}" for i in range(2) for layer in ("mlp.fc_2", "mlp.proj")]
+    for run in runs:
+        assert sorted(run["split"]) == sorted(["transformer.wte", "lm_head", *blocks])
+    _assert_fp32_matches(runs, _reference("litgpt", replicas=2), weights=False)
+
+
+def test_a_litgpt_model_built_on_the_meta_device_trains_in_two_fp16_stages_as_plain_torch(tmp_path):
+    """pp2 through ``smp.DistributedModel`` and ``@smp.step``, its ``lm_head`` placed on the last stage with
+    ``smp.set_partition`` (LitGPT registers it before the blocks); built under delayed initialisation, its rotary
+    tables (``cos``, ``sin``: buffers computed at construction) are on every stage as an eager build makes them."""
+    pytest.importorskip("litgpt")
+    runs = _assert_pipelined_run(tmp_path, "litgpt", {"delayed_parameter_initialization": True})
+    torch.manual_seed(0)
+    eager = lit_gpt()
+    for run in runs:
+        assert run["built_on_meta"] and set(run["buffers"]) == {"cos", "sin"}
+        for name, value in run["buffers"].items():
+            assert torch.equal(value, getattr(eager, name).half()), name

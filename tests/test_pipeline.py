@@ -499,8 +499,49 @@ def test_a_module_run_on_the_other_side_of_the_trunk_than_registered_is_a_clear_
 
     model = HeadFirst(tied=False)
     router = _hold(model, 0)
-    with router.run(0), pytest.raises(RuntimeError, match="'head' is registered after the pipelined trunk"):
+    with router.run(0), pytest.raises(RuntimeError, match="'head' is placed after the pipelined trunk") as error:
         model(torch.zeros(1, 2, dtype=torch.long))
+    assert "smp.set_partition(model.head, 0)" in str(error.value)
+
+
+class _HeadRegisteredFirst(_LanguageModel):
+    """The head registered before the trunk and run after it, as LitGPT's ``GPT`` registers its ``lm_head``."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        self.head = nn.Linear(3, 10, bias=False)
+        self.embed = nn.Embedding(10, 3)
+        self.position = nn.Embedding(5, 3)
+        self.blocks = nn.ModuleList(nn.Linear(3, 3) for _ in range(4))
+
+
+def test_set_partition_places_a_module_outside_the_trunk_where_it_runs_not_where_it_is_registered():
+    model = _HeadRegisteredFirst()
+    plan = plan_partition("blocks", describe_children(model.blocks, "blocks"), stages=3)
+    assert plan_outside(model, plan).before == ("head", "embed", "position")
+    smp.set_partition(model.head, 2)
+    outside = plan_outside(model, plan)
+    assert outside.before == ("embed", "position") and outside.after == ("head",)
+    assert outside.params_per_stage == (30 + 15, 0, 30)
+    smp.set_partition(model.head, 1)
+    with pytest.raises(ValueError, match=r"'head' is placed on pipeline stage 1 .* stage 0 or 2, or make it part"):
+        plan_outside(model, plan)
+
+
+def test_a_head_registered_before_the_trunk_and_placed_after_it_runs_on_the_last_stage():
+    torch.manual_seed(0)
+    whole = _HeadRegisteredFirst()
+    ids = torch.tensor([[1, 2, 3]])
+    stages = [copy.deepcopy(whole) for _ in range(2)]
+    routers = []
+    for stage, model in enumerate(stages):
+        smp.set_partition(model.head, 1)
+        routers.append(_hold(model, stage))
+    assert isinstance(stages[0].head, StandIn) and isinstance(stages[1].embed, StandIn)
+    with routers[0].run(0), pytest.raises(StageExit) as stop:
+        stages[0](ids)
+    with routers[1].run(1, stop.value.output):
+        torch.testing.assert_close(stages[1](ids), whole(ids))
 
 
 def test_code_between_children_and_skip_connections_are_refused():

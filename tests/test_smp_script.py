@@ -24,51 +24,13 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_smp import SMPStrategy, smp
 from tests.distributed import run_distributed
-from tests.gpt import VOCAB, WIDTH, llama_config, token_batches
+from tests.gpt import VOCAB, ScriptGPT, ScriptLlama, token_batches
 from tests.models import quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, mean_losses, single_device_run
 
 STEPS, BATCH, LR = 4, 8, 1e-2  # BATCH: the global batch, read in shares by smp.dp_size() ranks
 DATASET = TensorDataset(*token_batches(seed=3, samples=64))
 TIMEOUT = 120.0
-
-
-class ScriptGPT(nn.Module):
-    """A plain torch GPT as smp scripts build one: embeddings, a ModuleList of torch transformer layers (the trunk
-    a pipeline splits, the layers tensor parallelism splits), a head tied to the token embedding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embedding = nn.Embedding(VOCAB, WIDTH)
-        self.layers = nn.ModuleList(
-            nn.TransformerEncoderLayer(WIDTH, 4, 2 * WIDTH, dropout=0.0, batch_first=True) for _ in range(4)
-        )
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.embedding.weight
-
-    def forward(self, ids: Tensor) -> Tensor:
-        hidden = self.embedding(ids)
-        for layer in self.layers:
-            hidden = layer(hidden)
-        return self.head(hidden)
-
-
-class ScriptLlama(nn.Module):
-    """A Hugging Face transformers Llama (`tests.gpt.llama_config`), a third-party model as a script builds it:
-    under ``smp.model_creation``, so that tensor parallelism splits it by its own ``tp_plan``; its logits out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        import transformers
-
-        with smp.model_creation(tensor_parallelism=smp.tp_size() > 1):
-            self.llama = transformers.LlamaForCausalLM(llama_config())
-
-    def forward(self, ids: Tensor) -> Tensor:
-        return self.llama(ids).logits
-
-
-MODELS = {"gpt": ScriptGPT, "llama": ScriptLlama}
 
 
 class _Recipe:

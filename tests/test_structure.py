@@ -6,6 +6,9 @@ An import inside a function is how a cycle hides: the graph below counts imports
 functions alike (``if TYPE_CHECKING:`` blocks aside), so a cycle fails here whichever way it is written. Shared
 small pieces belong in a module below both users (`units`, `version`, `weight_files`), and an adapter that another
 module must not import registers itself (`delayed_init.huggingface`).
+
+The test suite's own rule (tests/README.md) is checked here too: a test file imports from the shared test modules
+only, never from another test file.
 """
 
 from __future__ import annotations
@@ -217,3 +220,36 @@ def test_only_the_trainer_adapters_import_lightning_pytorch():
         "lightning.fabric, torch or a package module below them, or list them in TRAINER_ADAPTERS with the reason"
     )
     assert set(TRAINER_ADAPTERS) - importers == set(), "TRAINER_ADAPTERS lists modules that no longer import it"
+
+
+SHARED_TEST_MODULES = {"conftest", "distributed", "gpt", "models", "parity"}
+"""What a file of tests/ may import from tests/ (tests/README.md): the shared pieces, never another test file."""
+
+
+def _test_imports(source: str) -> list[tuple[str, int]]:
+    """``(module, line)`` of every ``tests.<module>`` a file of tests/ imports, at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "tests":
+            names = [f"tests.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module is not None:
+            names = [node.module]
+        else:
+            continue
+        found += [(name.split(".")[1], node.lineno) for name in names if name.startswith("tests.")]
+    return found
+
+
+def test_a_test_file_imports_only_the_shared_test_modules():
+    tests = Path(__file__).parent
+    imports = {path.name: _test_imports(path.read_text()) for path in sorted(tests.glob("*.py"))}
+    other = [f"{file}:{line} imports tests.{name}" for file, found in imports.items() for name, line in found]
+    other = [line for line in other if line.rpartition("tests.")[2] not in SHARED_TEST_MODULES]
+    assert other == [], f"move what they share into one of {sorted(SHARED_TEST_MODULES)} (tests/README.md)"
+    assert _test_imports("import tests.test_x as x\nfrom tests import parity, test_y\n") == [
+        ("test_x", 1),
+        ("parity", 2),
+        ("test_y", 2),
+    ]

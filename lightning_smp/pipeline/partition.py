@@ -5,7 +5,8 @@ walks over the module: `find_trunk` and `describe_children`): which sequential c
 many of its children each stage (chunk) holds — balanced by a cost model mixing compute and memory with smp's
 ``memory_weight``, given as ``partition`` sizes, or read from ``smp.partition`` / ``smp.set_partition`` tags —
 where the modules outside the trunk live (`plan_outside`: before it on the first stage, after it on the last,
-tied parameters on both), and the table printed at setup. `stage.py` and `runtime.py` execute it.
+tied parameters on both; by registration order, or ``smp.set_partition``), and the table printed at setup.
+`stage.py` and `runtime.py` execute it.
 """
 
 from __future__ import annotations
@@ -137,8 +138,10 @@ class OutsidePlan:
 
     Along the path from the LightningModule to the trunk, the modules holding parameters that are registered
     (in ``__init__`` order) before the trunk's branch run before it and live on the first stage only; those
-    registered after it live on the last stage only. A parameter registered under several of those names (an
-    embedding tied to its output head) is ``tied``: held by the first and the last stage, kept identical.
+    registered after it live on the last stage only. ``smp.set_partition(module, 0)`` (or the last stage) on one
+    of them places it there instead, for a model whose registration order is not its run order and cannot be
+    edited (LitGPT registers its ``lm_head`` before its blocks). A parameter registered under several of those
+    names (an embedding tied to its output head) is ``tied``: held by the first and the last stage, kept identical.
     Parameters set directly on the trunk's ancestors are ``shared``: every stage holds them and the stage that
     uses them trains them.
     """
@@ -171,6 +174,22 @@ class OutsidePlan:
         return None
 
 
+def _runs_after(name: str, module: nn.Module, plan: PartitionPlan, *, registered_after: bool) -> bool:
+    """Whether the module ``name`` outside the trunk lives on the last stage (after the trunk) rather than the first:
+    where ``smp.set_partition`` put it, else where it is registered."""
+    stage = getattr(module, _PARTITION_ATTR, None)
+    if stage is None:
+        return registered_after
+    last = plan.stages - 1
+    if stage not in (0, last):
+        raise ValueError(
+            f"{name!r} is placed on pipeline stage {stage} (smp.set_partition / smp.partition), but it lies outside "
+            f"the pipelined trunk {plan.trunk!r}, so it runs before the trunk, on the first stage (0), or after it, "
+            f"on the last ({last}). Place it on stage 0 or {last}, or make it part of the trunk."
+        )
+    return stage == last
+
+
 def _within(name: str, module: str) -> bool:
     return name == module or name.startswith(f"{module}.")
 
@@ -183,12 +202,14 @@ def plan_outside(root: nn.Module, plan: PartitionPlan) -> OutsidePlan:
     after: list[str] = []
     for depth, part in enumerate(parts):
         path = ".".join(parts[:depth])
-        side = before
+        registered_after = False
         for name, child in root.get_submodule(path).named_children():
             if name == part:
-                side = after
+                registered_after = True
             elif next(child.parameters(), None) is not None:
-                side.append(f"{path}.{name}" if path else name)
+                qualified = f"{path}.{name}" if path else name
+                runs_after = _runs_after(qualified, child, plan, registered_after=registered_after)
+                (after if runs_after else before).append(qualified)
     last = plan.stages - 1
     every = set(range(plan.stages))
     prefix = f"{plan.trunk}."

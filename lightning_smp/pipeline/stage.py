@@ -115,12 +115,13 @@ class TrunkRouter:
         call = self._call
         if call is None or before != (call.next_index > 0):
             return
-        registered, ran = ("before", "once the trunk had started") if before else ("after", "before the trunk")
+        side, ran = ("before", "once the trunk had started") if before else ("after", "before the trunk")
+        where = self._plan.stages - 1 if before else 0
         raise RuntimeError(
-            f"{name!r} is registered {registered} the pipelined trunk {self._plan.trunk!r} in the LightningModule, "
-            f"so only pipeline stage {holder} holds it, but it ran {ran} on stage {self._stage}. lightning_smp places "
-            "the modules outside the trunk by their registration order in __init__: register it on the side of the "
-            "trunk where it runs."
+            f"{name!r} is placed {side} the pipelined trunk {self._plan.trunk!r}, so only pipeline stage {holder} "
+            f"holds it, but it ran {ran} on stage {self._stage}. lightning_smp places the modules outside the trunk "
+            "by their registration order in __init__: register it on the side of the trunk where it runs or, in a "
+            f"model you cannot edit, place it there before setup: smp.set_partition(model.{name}, {where})."
         )
 
     def _route(self, index: int, forward: Callable[..., Any] | None, args: tuple, kwargs: dict) -> Any:
@@ -169,8 +170,8 @@ class StandIn(nn.Module):
     names) and a copy of the module on the meta device (no memory), which it runs on its inputs to learn the
     output's shape and dtype; it returns zeros of that shape on its inputs' device (real ones, not an expanded
     scalar, so that code writing into them in place, ``x += pos``, still runs).
-    Called at the wrong side of the trunk during a pipelined step (registered after the trunk but run before
-    it, or the reverse) it raises: the placement follows the registration order.
+    Called at the wrong side of the trunk during a pipelined step (placed after the trunk but run before it, or
+    the reverse) it raises: the placement follows the registration order, or ``smp.set_partition``.
     """
 
     def __init__(

@@ -79,7 +79,9 @@ def partition(index: int) -> contextlib.AbstractContextManager[None]:
 
 
 def set_partition(module: torch.nn.Module, index: int) -> None:
-    """smp's ``smp.set_partition(module, i)``: run ``module`` (a child of the pipelined trunk) on stage ``i``."""
+    """smp's ``smp.set_partition(module, i)``: run ``module`` on stage ``i``: a child of the pipelined trunk (read when
+    ``auto_partition=False``), or a module outside the trunk on the first stage (0, before the trunk) or the last
+    (after it), where its registration order would place it on the other side."""
     _placement.set_partition(module, index)
 
 
