@@ -306,6 +306,25 @@ def test_a_scripts_mistakes_end_in_errors_that_name_the_fix() -> None:
     assert errors["whole"] == ([2, 2], [VOCAB, VOCAB])  # non_split_inputs: whole in each of the two microbatches
 
 
+def _under_mpirun(rank: int, config: dict) -> dict:
+    """`_script` in a process launched as mpirun launches one (SageMaker's launcher for smp): Open MPI's
+    ``OMPI_COMM_WORLD_*`` variables and the exported MASTER_ADDR / MASTER_PORT, none of torchrun's rank variables."""
+    for ours, mpi in (
+        ("RANK", "OMPI_COMM_WORLD_RANK"),
+        ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"),
+        ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ):
+        os.environ[mpi] = os.environ.pop(ours, "2")
+    return _script(rank, config, {})
+
+
+def test_a_script_launched_by_mpirun_trains_as_the_torch_run() -> None:
+    runs = run_distributed(_under_mpirun, 2, {"microbatches": 2, "ddp": True}, timeout=TIMEOUT)
+    assert sorted(run["dp"] for run in runs) == [0, 1]  # each process took its rank from Open MPI's variables
+    assert mean_losses(runs, replica="dp", steps=STEPS) == pytest.approx(_reference(2)["losses"], rel=FP32_REL)
+
+
 def test_the_config_comes_from_sm_hp_mp_parameters_as_in_smp() -> None:
     (run,) = run_distributed(
         _script, 1, {"microbatches": 4}, {}, timeout=TIMEOUT, env={"SM_HP_MP_PARAMETERS": '{"microbatches": 2}'}
