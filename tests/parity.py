@@ -44,19 +44,21 @@ def single_device_run(
     replicas: int = 1,
     fp16: bool = False,
     init_scale: float = 2.0**16,
+    scale_window: int = 1000,
     clip_norm: float | None = None,
     shuffle: bool = True,
 ) -> dict[str, Any]:
     """``steps`` steps in plain PyTorch on the global batch (the data-parallel replicas' batches together, in
-    Lightning's shuffled order): fp32, or fp16 parameters with fp32 master copies and smp's dynamic loss scale
-    (`_master_step`, written here without the package's optimizer); optionally clipping the gradient norm as
-    Lightning's ``gradient_clip_val`` does. ``shuffle=False``: the batches in the dataset's order, as a loader with its
-    own sequential sampler gives them to a Trainer with ``use_distributed_sampler=False``.
+        Lightning's shuffled order): fp32, or fp16 parameters with fp32 master copies and smp's dynamic loss scale
+        (`_master_step`, written here without the package's optimizer; ``init_scale`` and ``scale_window`` as smp's
+    ``dynamic_loss_args``); optionally clipping the gradient norm as
+        Lightning's ``gradient_clip_val`` does. ``shuffle=False``: the batches in the dataset's order, as a loader with its
+        own sequential sampler gives them to a Trainer with ``use_distributed_sampler=False``.
 
-    ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
-    used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
-    name), ``step_weights`` (every parameter flattened into one fp32 vector, after each step), ``skipped`` and
-    ``scale`` (fp16's overflow record; 0 and None in fp32).
+        ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
+        used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
+        name), ``step_weights`` (every parameter flattened into one fp32 vector, after each step), ``skipped`` and
+        ``scale`` (fp16's overflow record; 0 and None in fp32).
     """
     torch.manual_seed(0)
     model = build()
@@ -69,7 +71,7 @@ def single_device_run(
         master_of = {id(param): master for param, master in zip(params, masters, strict=True)}
         groups = [{**group, "params": [master_of[id(p)] for p in group["params"]]} for group in optimizer.param_groups]
         optimizer = type(optimizer)(groups)  # the model's param groups (weight decay, frozen ones) over the masters
-        scale, skipped = _LossScale(init_scale), 0
+        scale, skipped = _LossScale(init_scale, scale_window), 0
     dataset = model.train_dataloader().dataset
     batch_size = model.train_dataloader().batch_size
     samplers = [

@@ -1,7 +1,8 @@
-"""Sharded data parallelism (FSDP2) against the same run without sharding: losses, skipped steps, clip norms, the
-bytes of model state each rank holds, and the errors a user can cause. Every sdp setting at its default (smp's: small
-parameters kept whole, every step clipped to norm 1.0) on a GPT of torch transformer layers and on a Hugging Face
-Llama, against data parallelism clipping to the same norm."""
+"""Sharded data parallelism (FSDP2) against the single-process run in plain torch (`tests.parity.single_device_run`)
+and the same layout without sharding: losses, skipped steps, clip norms, the bytes of model state each rank holds,
+and the errors a user can cause. Every sdp setting at its default (smp's: small parameters kept whole, every step
+clipped to norm 1.0) on a GPT of torch transformer layers and on a Hugging Face Llama, against one process clipping
+to the same norm."""
 
 import functools
 import os
@@ -171,8 +172,10 @@ def _four_rank_runs(rank: int) -> dict:
     torch.set_num_threads(1)
     init_gloo()
     tp = {"tensor_parallel_degree": 2}
-    layouts = {"dp2tp2": tp, "sdp2tp2": {**tp, **SHARDED}, "dp2tp2_fp16": {**tp, **FP16}}
-    layouts["sdp2tp2_fp16"] = {**tp, **FP16, **SHARDED}
+    # fp16 without the scale doubling back after 4 clean steps: at the doubled scale a rank's gradients (of its own
+    # 4 samples) overflowed in step 9 where one process's (of all 16) did not, with or without sharding
+    layouts = {"dp2tp2": tp, "sdp2tp2": {**tp, **SHARDED}, "dp2tp2_fp16": {**tp, **FP16_AS_ONE_DEVICE}}
+    layouts["sdp2tp2_fp16"] = {**tp, **FP16_AS_ONE_DEVICE, **SHARDED}
     runs = {name: _fit(_GPT(batch_size=4), kwargs) for name, kwargs in layouts.items()}
     # under a threshold of 100 elements net.0.weight (8 x 32) is sharded, net.0.bias (32) and net.2 (32 x 2, 2) whole
     hybrid = {**FP16, **SHARDED, "sdp_param_persistence_threshold": 100}
@@ -187,32 +190,69 @@ def _launch(world: int) -> list[dict]:
     return launch_once(_data_parallel_runs if world == 2 else _four_rank_runs, world, timeout=500)
 
 
-def _assert_same_training(ranks: list[dict], plain: str, sharded: str, *, fp16: bool) -> None:
+def _assert_same_training(ranks: list[dict], plain: str, sharded: str, *, fp16: bool, reference: dict) -> None:
+    """The sharded run and the same layout without sharding both train as ``reference``, the single-process run in
+    plain torch (losses; fp16: the same skipped steps); and the two agree on what one process does not record (the
+    validation loss after a second set-up, the fp16 norms Lightning clips by)."""
     rel = FP16_REL if fp16 else FP32_REL
-    reference = mean_losses([rank[plain] for rank in ranks])
-    losses = mean_losses([rank[sharded] for rank in ranks])
-    assert len(losses) == STEPS >= 10
-    assert losses == pytest.approx(reference, rel=rel)
+    for name in (plain, sharded):
+        losses = mean_losses([rank[name] for rank in ranks], steps=STEPS)
+        assert len(losses) == STEPS >= 10
+        assert losses == pytest.approx(reference["losses"], rel=rel), name
+    if fp16:
+        assert reference["skipped"] >= 1  # the comparison covers the overflow path
     for rank in ranks:
         assert rank[sharded]["sharded"] and not rank[plain]["sharded"]
         if rank[plain]["val_loss"] is not None:  # trainer.validate after fit: the sharded model set up again
             assert rank[sharded]["val_loss"] == pytest.approx(rank[plain]["val_loss"], rel=rel)
         if fp16:
-            assert_same_overflow(rank[sharded], rank[plain])
-            assert rank[sharded]["skipped"] >= 1  # the comparison covers the overflow path
+            assert_same_overflow(rank[sharded], reference)
+            assert_same_overflow(rank[plain], reference)
         if fp16 and rank[sharded]["norms"]:  # both clipped through Lightning (not the sdp step alone)
             assert rank[sharded]["norms"] == pytest.approx(rank[plain]["norms"], rel=FP16_REL)
             assert max(rank[plain]["norms"]) > CLIP  # and the clipping path
 
 
+def _mse(model, batch, step):
+    return F.mse_loss(model(batch[0]), batch[1])
+
+
+@functools.cache
+def _one_device(model: str, *, replicas: int, fp16: bool = False, clip: float = CLIP, window: int = 1000) -> dict:
+    """A launch's model in one process, in plain torch (`tests.parity.single_device_run`), on the union of
+    ``replicas`` ranks' batches (every rank reads its own, tensor-parallel ones too: prescaled_batch=False), clipping
+    every step to ``clip``; fp16 from `INIT_SCALE`, doubling after ``window`` clean steps. ``model``: "regressor"
+    (8 samples a rank under dp2, 4 under dp4), "gpt" or "llama"."""
+    if model == "regressor":
+        batch_size = 16 // replicas
+        return single_device_run(
+            lambda: _Regressor(batch_size=batch_size), _mse, steps=STEPS, replicas=replicas, fp16=fp16,
+            init_scale=INIT_SCALE, scale_window=window, clip_norm=clip,
+        )  # fmt: skip
+
+    def built() -> _OnTokens:
+        module = {"gpt": _GPT, "llama": _Llama}[model](batch_size=4)
+        module.configure_model()
+        return module
+
+    return single_device_run(
+        built, lambda module, batch, step: module.loss(batch), steps=STEPS, replicas=replicas, fp16=fp16,
+        init_scale=INIT_SCALE, scale_window=window, clip_norm=clip,
+    )  # fmt: skip
+
+
+_WINDOW = FP16["dynamic_loss_args"]["scale_window"]
+
+
 @pytest.mark.timeout(600)
 def test_sdp2_fp32_matches_dp2():
-    _assert_same_training(_launch(2), "dp2", "sdp2", fp16=False)
+    _assert_same_training(_launch(2), "dp2", "sdp2", fp16=False, reference=_one_device("regressor", replicas=2))
 
 
 @pytest.mark.timeout(600)
 def test_sdp2_fp16_matches_dp2_with_the_same_skipped_steps_and_clip_norms():
-    _assert_same_training(_launch(2), "dp2_fp16", "sdp2_fp16", fp16=True)
+    reference = _one_device("regressor", replicas=2, fp16=True, window=_WINDOW)
+    _assert_same_training(_launch(2), "dp2_fp16", "sdp2_fp16", fp16=True, reference=reference)
 
 
 @pytest.mark.timeout(600)
@@ -236,22 +276,8 @@ def test_sdp2_holds_about_half_the_model_states_of_dp2():
 @pytest.mark.parametrize(("model", "fp16"), [("gpt", False), ("gpt", True), ("llama", False)])
 def test_sdp2_at_its_defaults_matches_dp2_clipping_to_the_same_norm(model, fp16):
     suffix = "_fp16" if fp16 else ""
-    _assert_same_training(_launch(2), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16)
-
-
-@functools.cache
-def _one_device_gpt(fp16: bool, replicas: int) -> dict:
-    """The GPT in one process on the union of ``replicas`` ranks' batches, clipping every step to smp's sdp norm."""
-
-    def built() -> _GPT:
-        model = _GPT(batch_size=4)
-        model.configure_model()
-        return model
-
-    return single_device_run(
-        built, lambda model, batch, step: model.loss(batch), steps=STEPS, replicas=replicas, fp16=fp16,
-        init_scale=INIT_SCALE, clip_norm=SDP_DEFAULT_CLIP,
-    )  # fmt: skip
+    reference = _one_device(model, replicas=2, fp16=fp16, clip=SDP_DEFAULT_CLIP)
+    _assert_same_training(_launch(2), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16, reference=reference)
 
 
 @pytest.mark.timeout(600)
@@ -261,7 +287,8 @@ def test_sdp_at_its_defaults_on_a_gpt_of_torch_layers_trains_as_one_device(world
     against the single-process run clipping to the same norm: fp32 to 1e-5, fp16 with the same skipped steps."""
     run = "sdp_gpt_fp16" if fp16 else "sdp_gpt"
     # every rank reads its own batch: sdp2 x tp2's tensor-parallel ranks too (prescaled_batch=False)
-    ranks, reference = _launch(world), _one_device_gpt(fp16, replicas=world)
+    ranks = _launch(world)
+    reference = _one_device("gpt", replicas=world, fp16=fp16, clip=SDP_DEFAULT_CLIP)
     losses = mean_losses([rank[run] for rank in ranks], steps=STEPS)
     assert losses == pytest.approx(reference["losses"], rel=FP16_REL if fp16 else FP32_REL)
     if fp16:
@@ -274,13 +301,15 @@ def test_sdp_at_its_defaults_on_a_gpt_of_torch_layers_trains_as_one_device(world
 @pytest.mark.parametrize(("model", "fp16"), [("gpt", False), ("gpt", True), ("llama", False)])
 def test_sdp2_tp2_at_its_defaults_matches_dp2_tp2_clipping_to_the_same_norm(model, fp16):
     suffix = "_fp16" if fp16 else ""
-    _assert_same_training(_launch(4), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16)
+    reference = _one_device(model, replicas=4, fp16=fp16, clip=SDP_DEFAULT_CLIP)
+    _assert_same_training(_launch(4), f"dp_{model}{suffix}", f"sdp_{model}{suffix}", fp16=fp16, reference=reference)
 
 
 @pytest.mark.timeout(600)
 def test_two_replicas_of_sdp2_keep_small_parameters_whole_and_match_dp4():
     ranks = _launch(4)
-    _assert_same_training(ranks, "dp4_fp16", "hsdp_fp16", fp16=True)
+    reference = _one_device("regressor", replicas=4, fp16=True, window=_WINDOW)
+    _assert_same_training(ranks, "dp4_fp16", "hsdp_fp16", fp16=True, reference=reference)
     # each parameter below the threshold (100 elements) whole, in its unit: net.0's bias but not its weight
     assert all(rank["hsdp_fp16"]["whole"] == ["net.0.bias", "net.2.bias", "net.2.weight"] for rank in ranks)
 
@@ -288,8 +317,9 @@ def test_two_replicas_of_sdp2_keep_small_parameters_whole_and_match_dp4():
 @pytest.mark.timeout(600)
 def test_sdp2_tp2_matches_dp2_tp2():
     ranks = _launch(4)
-    _assert_same_training(ranks, "dp2tp2", "sdp2tp2", fp16=False)
-    _assert_same_training(ranks, "dp2tp2_fp16", "sdp2tp2_fp16", fp16=True)
+    _assert_same_training(ranks, "dp2tp2", "sdp2tp2", fp16=False, reference=_one_device("gpt", replicas=4))
+    reference = _one_device("gpt", replicas=4, fp16=True)
+    _assert_same_training(ranks, "dp2tp2_fp16", "sdp2tp2_fp16", fp16=True, reference=reference)
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------------------
