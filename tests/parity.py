@@ -49,16 +49,16 @@ def single_device_run(
     shuffle: bool = True,
 ) -> dict[str, Any]:
     """``steps`` steps in plain PyTorch on the global batch (the data-parallel replicas' batches together, in
-        Lightning's shuffled order): fp32, or fp16 parameters with fp32 master copies and smp's dynamic loss scale
-        (`_master_step`, written here without the package's optimizer; ``init_scale`` and ``scale_window`` as smp's
-    ``dynamic_loss_args``); optionally clipping the gradient norm as
-        Lightning's ``gradient_clip_val`` does. ``shuffle=False``: the batches in the dataset's order, as a loader with its
-        own sequential sampler gives them to a Trainer with ``use_distributed_sampler=False``.
+    Lightning's shuffled order): fp32, or fp16 parameters with fp32 master copies and smp's dynamic loss scale
+    (`_master_step`, written here without the package's optimizer; ``init_scale`` and ``scale_window`` as smp's
+    ``dynamic_loss_args``); optionally clipping the gradient norm as Lightning's ``gradient_clip_val`` does.
+    ``shuffle=False``: the batches in the dataset's order, as a loader with its own sequential sampler gives them to
+    a Trainer with ``use_distributed_sampler=False``.
 
-        ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
-        used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
-        name), ``step_weights`` (every parameter flattened into one fp32 vector, after each step), ``skipped`` and
-        ``scale`` (fp16's overflow record; 0 and None in fp32).
+    ``build`` makes the LightningModule after ``torch.manual_seed(0)`` (its optimizer and train dataloader are
+    used); ``loss(model, batch, step)`` is one step's loss. Returns ``losses`` (per step), ``weights`` (fp32, by
+    name), ``step_weights`` (every parameter flattened into one fp32 vector, after each step), ``skipped`` and
+    ``scale`` (fp16's overflow record; 0 and None in fp32).
     """
     torch.manual_seed(0)
     model = build()
@@ -171,11 +171,15 @@ def plain_fit(
     optimizer: Any,
     accumulate: int = 1,
     fp16: Mapping[str, float] | None = None,
+    clip_norm: float | None = None,
     validation: Sequence[Any] = (),
 ) -> dict[str, Any]:
     """A Trainer's fit written as a plain torch loop, for references that record what a layout test compares: a step
     per ``accumulate`` batches (each batch's loss divided by ``accumulate``), ``optimizer`` built over ``model``.
     ``fp16``: ``{"init_scale": ..., "scale_window": ...}``, fp16 parameters with fp32 masters and smp's dynamic scale.
+    ``clip_norm``: each step's gradients clipped to that global norm, as Lightning's ``gradient_clip_val``. Dropout
+    draws its masks from the global random stream as in a one-process Trainer's run, where nothing else draws from
+    it between the model's build (which seeds it) and the first step.
     Returns ``losses`` (per batch), ``initial`` (the parameters before training, in the trained dtype, as fp32, by
     name), ``grads`` (fp32 runs: each step's gradients by name), ``norms`` (fp16: each step's global norm of the
     unscaled master gradients, -1 where they overflowed), ``skipped`` and ``scale``, and ``val_loss`` (the mean loss
@@ -200,12 +204,14 @@ def plain_fit(
             (value.float() * (scale.value if fp16 is not None else 1.0) / accumulate).backward()
         if fp16 is None:
             grads.append({name: param.grad.detach().float().clone() for name, param in named.items()})
+            if clip_norm is not None:
+                nn.utils.clip_grad_norm_(params, clip_norm)
             optimizer.step()
             continue
         unscaled = [param.grad.float() / scale.value for param in params]
         finite = all(torch.isfinite(grad).all() for grad in unscaled)
         norms.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in unscaled])).item() if finite else -1.0)
-        skipped += _master_step(params, masters, optimizer, scale, clip_norm=None)
+        skipped += _master_step(params, masters, optimizer, scale, clip_norm=clip_norm)
     val_loss = None
     if validation:
         model.eval()

@@ -1,10 +1,9 @@
 """Tensor parallelism through Lightning, against the single-process run of the same model and data.
 
-Three launches: one process, two (tp=2), four (tp=4 and dp=2 x tp=2). Each runs several short fits one after
-another in the same processes; the tests below assert on their records. The GPT's and the MLP's references are the
-same model and data trained in plain torch (`plain_reference`), the vocabulary-parallel one too; the
-sequence-parallel runs are still compared with the one-process launch under SMPStrategy (their dropout masks follow
-the random draws of a Lightning run, which a plain loop does not reproduce yet).
+Two launches: two processes (tp=2) and four (tp=4 and dp=2 x tp=2). Each runs several short fits one after another
+in the same processes; the tests below assert on their records. Every reference is the same model and data trained
+in plain torch (`plain_reference`), the sequence-parallel runs' too (dropout draws its masks from the same random
+stream as one process, gradients clipped as Lightning clips them).
 - GPT: token + position ``nn.Embedding``, two ``nn.TransformerEncoderLayer`` (causal mask), a head tied to the
   token embedding, built under ``smp.model_creation(tensor_parallelism=...)``: the tied embedding stays whole (one
   warning), the rest is split. fp32: losses within 1e-5 relative and every gathered gradient matches, every step;
@@ -253,12 +252,6 @@ SP, SHARED_BATCH, PP2_TP2 = (
     {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 2},
 )
 _SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
-    1: {
-        "sp_reference": (DROPOUT, {}),
-        "sp_reference_fp16": (DROPOUT, FP16),
-        "sp_reference_no_dropout": (0.0, {}),
-        "sp_reference_fp16_no_dropout": (0.0, FP16),
-    },
     # With dropout, the tensor-parallel ranks share one batch (smp's prescaled_batch=True): the union of batches
     # read per rank (the default) holds the samples in another order than one device's batch, so other masks.
     2: {
@@ -272,9 +265,9 @@ _SEQUENCE_RUNS: dict[int, dict[str, tuple[float, dict]]] = {
 }
 
 
-# (tensor_parallel_degree, also the fp16 / plan / vocabulary runs) per world size; one process runs only the
-# sequence-parallel references (the others' are plain torch: `plain_reference`)
-_LAYOUTS: dict[int, list[tuple[int, bool]]] = {1: [], 2: [(2, True)], 4: [(4, False), (2, False)]}
+# (tensor_parallel_degree, also the fp16 / plan / vocabulary runs) per world size; every reference is plain torch
+# (`plain_reference`)
+_LAYOUTS: dict[int, list[tuple[int, bool]]] = {2: [(2, True)], 4: [(4, False), (2, False)]}
 
 
 def launch(world: int) -> list[dict]:
@@ -297,8 +290,21 @@ def plain_reference(name: str) -> dict:
     """The single-process run of a layout test's model and data in plain torch (`tests.parity.plain_fit`), with
     the records the layouts are compared on: ``gpt`` (validated after training), ``gpt_fp16``, ``vocab`` (smp.nn's
     vocabulary-parallel embedding and head, whole on one process), ``mlp``, ``mlp_accumulated`` (two batches per
-    step)."""
+    step); and the sequence-parallel runs' (`_SEQUENCE_RUNS`): ``sp``, ``sp_fp16`` (with dropout on the residual
+    stream), ``sp_no_dropout``, ``sp_fp16_no_dropout``, each clipped to `CLIP` and validated."""
     accumulate = 2 if name == "mlp_accumulated" else 1
+    if name.startswith("sp"):
+        model = _TinyGPT(GLOBAL_BATCH, dropout=0.0 if name.endswith("no_dropout") else DROPOUT)
+        model.configure_model()
+        return plain_fit(
+            model,
+            _gpt_loss,
+            lightning_batches(model.train_dataloader(), STEPS),
+            optimizer=model.configure_optimizers(),
+            fp16=FP16["dynamic_loss_args"] if "fp16" in name else None,
+            clip_norm=CLIP,
+            validation=list(model.val_dataloader()),
+        )
     if name.startswith("gpt") or name == "vocab":
         model, loss = _TinyGPT(GLOBAL_BATCH, vocab_parallel=name == "vocab"), _gpt_loss
         model.configure_model()
@@ -403,11 +409,11 @@ def _step_losses(run: dict) -> list[float]:
 
 @pytest.mark.timeout(500)
 def test_sequence_parallel_tp2_matches_one_process_with_dropout_checkpointing_and_clipping():
-    reference = launch(1)[0]["sp_reference"]
+    reference = plain_reference("sp")
     runs = [rank["sp_tp2"] for rank in launch(2)]
     _assert_matches(runs, reference)  # losses, validation loss, every gathered gradient (norms summed over tp)
     assert runs[0]["last_block_input"] == (GLOBAL_BATCH, SEQ // 2, D)  # blocks pass each other their slice
-    reference = launch(1)[0]["sp_reference_fp16"]
+    reference = plain_reference("sp_fp16")
     assert reference["skipped"] >= 1
     for run in (rank["sp_tp2_fp16"] for rank in launch(2)):
         assert_fp16_matches(run, reference)
@@ -418,10 +424,10 @@ def test_sequence_parallel_tp2_matches_one_process_with_dropout_checkpointing_an
 def test_sequence_parallel_pp2_tp2_with_offloading_matches_one_process_and_sends_slices_between_stages():
     runs = launch(4)
     for name, reference in (
-        ("sp_pp2_tp2", "sp_reference_no_dropout"),
-        ("sp_pp2_tp2_fp16", "sp_reference_fp16_no_dropout"),
+        ("sp_pp2_tp2", "sp_no_dropout"),
+        ("sp_pp2_tp2_fp16", "sp_fp16_no_dropout"),
     ):
-        reference = launch(1)[0][reference]
+        reference = plain_reference(reference)
         last = runs[-1][name]  # the last stage's ranks compute the loss
         if "fp16" in name:
             assert reference["skipped"] >= 1 and last["skipped"] == reference["skipped"]
