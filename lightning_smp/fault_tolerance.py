@@ -32,6 +32,7 @@ from torchmetrics import Metric
 from lightning_smp._compat import install_sigterm_hooks, mark_sigterm_received, stop_child_process_observer
 from lightning_smp.host_mirror import HostMirror
 from lightning_smp.tensor_parallel import TensorParallelModule
+from lightning_smp.topology import Topology
 
 __all__ = [
     "PEER_LOST_MESSAGES",
@@ -250,13 +251,17 @@ def forget_module_groups(model: nn.Module) -> None:
 
 
 _at_exit: weakref.WeakSet[_HoldsProcessGroups] = weakref.WeakSet()
+_owners: weakref.WeakSet[Topology] = weakref.WeakSet()
 _registered = False
 
 
-def close_process_groups_at_exit(run: _HoldsProcessGroups) -> None:
-    """Have `close_process_groups` run at interpreter exit, for ``run`` and the others registered in this process."""
+def close_process_groups_at_exit(run: _HoldsProcessGroups, topology: Topology) -> None:
+    """Have `close_process_groups` run at interpreter exit, for ``run`` (a door: a strategy, a script) and the others
+    registered in this process, and release ``topology``, the owner of the groups of the run it starts (each fit or
+    validate of a Trainer starts one; objects of an earlier run may still look its groups up)."""
     global _registered
     _at_exit.add(run)
+    _owners.add(topology)
     if not _registered:
         atexit.register(close_process_groups)
         _registered = True
@@ -267,10 +272,12 @@ def close_process_groups() -> None:
 
     torch's groups keep threads until the group object itself is freed (gloo: a network loop and two workers per
     group); ``destroy_process_group`` alone drops only torch's own references, and gloo's ``shutdown`` stops no
-    thread. A group still referenced at exit (by the strategy, the optimizer, tensor-parallel layers) is torn
-    down during interpreter finalization, where a rank of a run that succeeded can abort: "terminate called
-    without an active exception", exit code -6. So the registered runs drop their references too, and a garbage
-    collection frees what held them now. In that order: the holders (a DDP model's reducer among them) are freed
+    thread. A group still referenced at exit (by a topology, a DDP model, a metric) is torn down during interpreter
+    finalization, where a rank of a run that succeeded can abort: "terminate called without an active exception",
+    exit code -6. So the registered doors drop what they hold (and settle their pipelines), each run's topology, the
+    one owner of its groups, releases them (`Topology.release`: the layers, transports, optimizers and precision
+    plugins of that run reach them only through it), and a garbage collection frees what held them now. In that
+    order: the holders (a DDP model's reducer among them) are freed
     while torch still registers the groups, so that each group's last reference is dropped by
     ``destroy_process_group``, which releases the GIL while gloo's workers stop; dropped by a reducer instead (the GIL
     held), a worker that still has to release a finished collective's tensors waits for the GIL forever (pytorch
@@ -282,6 +289,8 @@ def close_process_groups() -> None:
         return
     for run in runs:
         run.forget_process_groups()
+    for topology in list(_owners):
+        topology.release()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

@@ -267,7 +267,7 @@ def _open(script: ScriptRun) -> ScriptRun:
     exception that ends the process marks it failed (the hook is installed once per process)."""
     global _script, _failures_noted
     _script = script
-    fault_tolerance.close_process_groups_at_exit(script)
+    fault_tolerance.close_process_groups_at_exit(script, script.run.topology)
     if not _failures_noted:
         _failures_noted = True
         _note_failures()
