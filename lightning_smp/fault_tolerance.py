@@ -31,7 +31,6 @@ from torchmetrics import Metric
 
 from lightning_smp._compat import install_sigterm_hooks, mark_sigterm_received, stop_child_process_observer
 from lightning_smp.host_mirror import HostMirror
-from lightning_smp.tensor_parallel import TensorParallelModule
 from lightning_smp.topology import Topology
 
 __all__ = [
@@ -41,7 +40,7 @@ __all__ = [
     "close_process_groups_at_exit",
     "end_launched_ranks",
     "explain_failure",
-    "forget_module_groups",
+    "forget_metric_groups",
 ]
 
 log = logging.getLogger(__name__)
@@ -240,12 +239,13 @@ class _HoldsProcessGroups(Protocol):
         """Drop every reference the run holds to its process groups (they are destroyed)."""
 
 
-def forget_module_groups(model: nn.Module) -> None:
-    """Drop the references ``model``'s tensor-parallel layers and torchmetrics metrics hold to the run's groups
-    (a run's ``forget_process_groups``)."""
+def forget_metric_groups(model: nn.Module) -> None:
+    """Drop the process groups ``model``'s torchmetrics metrics hold (a door's ``forget_process_groups``).
+
+    ``Metric.process_group`` is torchmetrics' own API, which takes a group object and cannot look one up through
+    the run's topology: the strategy sets it to the replicas' group (so a metric counts each sample once), and a
+    user may set one. Every other holder reaches the groups through the topology, which releases them itself."""
     for module in model.modules():
-        if isinstance(module, TensorParallelModule):
-            module.tp_forget_group()
         if isinstance(module, Metric):
             module.process_group = None
 

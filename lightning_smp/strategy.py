@@ -688,7 +688,7 @@ class SMPStrategy(DDPStrategy):
         vote in flight, the checkpoint writer's group, the metrics' groups). The topology itself then releases the
         groups, for every layer, transport, optimizer and the precision plugin of its run at once."""
         if self.model is not None:
-            fault_tolerance.forget_module_groups(self.model)
+            fault_tolerance.forget_metric_groups(self.model)
         self._sigterm.forget_vote()
         checkpointing.forget_save_group()
         self._engine = self._results = None

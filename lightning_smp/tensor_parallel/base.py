@@ -133,8 +133,9 @@ class TensorParallelModule(nn.Module):
         """The tensor-parallel group, rank and dropout stream this module's forward uses; None until it is split."""
         return self._tp
 
-    def tp_forget_group(self) -> None:
-        """Drop this module's reference to its tensor-parallel group (at teardown, once the groups are destroyed)."""
+    def tp_forget_context(self) -> None:
+        """Drop this module's tensor-parallel context: its forward runs as the whole layer's, with no collective
+        (a pipeline stage's meta-device placeholder of a layer another stage owns). Its shards stay as they are."""
         self._tp = None
 
     @classmethod
