@@ -236,7 +236,8 @@ class _HoldsProcessGroups(Protocol):
     """Whether this run's last fit/validate/test ended in an exception."""
 
     def forget_process_groups(self) -> None:
-        """Drop every reference the run holds to its process groups (they are destroyed)."""
+        """Drop what this door holds that reaches its process groups, besides its runs' topologies (released next,
+        `Topology.release`); the groups are destroyed after."""
 
 
 def forget_metric_groups(model: nn.Module) -> None:
@@ -277,12 +278,11 @@ def close_process_groups() -> None:
     exit code -6. So the registered doors drop what they hold (and settle their pipelines), each run's topology, the
     one owner of its groups, releases them (`Topology.release`: the layers, transports, optimizers and precision
     plugins of that run reach them only through it), and a garbage collection frees what held them now. In that
-    order: the holders (a DDP model's reducer among them) are freed
-    while torch still registers the groups, so that each group's last reference is dropped by
-    ``destroy_process_group``, which releases the GIL while gloo's workers stop; dropped by a reducer instead (the GIL
-    held), a worker that still has to release a finished collective's tensors waits for the GIL forever (pytorch
-    #56297). After a failure nothing is done here: destroying NCCL groups with work in flight can block, and the job
-    is ending anyway (`end_launched_ranks`, the launcher).
+    order: the holders (a DDP model's reducer among them) are freed while torch still registers the groups, so that
+    each group's last reference is dropped by ``destroy_process_group``, which releases the GIL while gloo's workers
+    stop; dropped by a reducer instead (the GIL held), a worker that still has to release a finished collective's
+    tensors waits for the GIL forever (pytorch #56297). After a failure nothing is done here: destroying NCCL groups
+    with work in flight can block, and the job is ending anyway (`end_launched_ranks`, the launcher).
     """
     runs = list(_at_exit)
     if any(run.failed for run in runs):

@@ -87,6 +87,9 @@ class Transport:
         self._posted: dict[_Link, deque[tuple[dist.Work, Tensor]]] = {}
         self._to_post: dict[_Link, int] = {}
 
+    def _group(self) -> dist.ProcessGroup:
+        return self._topology.group("pp")  # looked up at each use: the topology owns it
+
     def peer(self, offset: int) -> int:
         """The global rank ``offset`` stages away, wrapping around (the last stage's next is the first)."""
         index = self._ranks.index(dist.get_rank())
@@ -162,7 +165,7 @@ class Transport:
         posted = []
         for output in outputs:
             buffer = torch.empty(output.shape, dtype=output.dtype, device=self._device)
-            posted.append((dist.irecv(buffer, src=src, group=self._topology.group("pp"), tag=tag), buffer))
+            posted.append((dist.irecv(buffer, src=src, group=self._group(), tag=tag), buffer))
         return posted
 
     @staticmethod
@@ -181,7 +184,7 @@ class Transport:
         """Post the receive of the link's next value, of the expected layout's size."""
         self._to_post[link] = max(self._to_post.get(link, 0) - 1, 0)
         buffer = torch.empty(_size(self._received_expected[link]) + 1, dtype=torch.uint8, device=self._device)
-        work = dist.irecv(buffer, src=link[0], group=self._topology.group("pp"), tag=link[1])
+        work = dist.irecv(buffer, src=link[0], group=self._group(), tag=link[1])
         self._posted.setdefault(link, deque()).append((work, buffer))
 
     def _send_layout(self, layout: _Layout, dst: int, tag: int) -> None:
@@ -194,12 +197,12 @@ class Transport:
         return pickle.loads(self._recv((length,), torch.uint8, src, tag).cpu().numpy().tobytes())
 
     def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
-        work = dist.isend(tensor, dst=dst, group=self._topology.group("pp"), tag=tag)
+        work = dist.isend(tensor, dst=dst, group=self._group(), tag=tag)
         self._pending.append((work, tensor))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self._device)
-        dist.recv(tensor, src=src, group=self._topology.group("pp"), tag=tag)
+        dist.recv(tensor, src=src, group=self._group(), tag=tag)
         return tensor
 
 
