@@ -70,14 +70,17 @@ class Transport:
 
     Args:
         topology: the run, owner of the pipeline process group, which each send and receive looks up (the
-            transport keeps no group: the run's end reaches it through the topology).
+            transport keeps no group: the run's end reaches it through the topology). Outside a run (a benchmark
+            driving a transport alone, ``benchmarks/pipeline_messages.py``) a process group, which its caller owns.
         device: where received tensors are created.
     """
 
-    def __init__(self, topology: Topology, device: torch.device) -> None:
-        self._topology = topology
+    def __init__(self, topology: Topology | dist.ProcessGroup, device: torch.device) -> None:
+        standalone = isinstance(topology, dist.ProcessGroup)
+        self._topology: Topology | None = None if standalone else topology
+        self._standalone_group: dist.ProcessGroup | None = topology if standalone else None
         self._device = device
-        self._ranks = topology.ranks("pp")
+        self._ranks = dist.get_process_group_ranks(self._group())
         self._pending: list[tuple[dist.Work, Any]] = []
         # per link: the layout expected this step, and the layout of the last value it carried
         self._sent_expected: dict[_Link, _Layout] = {}
@@ -88,6 +91,9 @@ class Transport:
         self._to_post: dict[_Link, int] = {}
 
     def _group(self) -> dist.ProcessGroup:
+        if self._topology is None:
+            assert self._standalone_group is not None
+            return self._standalone_group
         return self._topology.group("pp")  # looked up at each use: the topology owns it
 
     def peer(self, offset: int) -> int:
