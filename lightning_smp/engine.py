@@ -39,7 +39,9 @@ Microbatches = Callable[[tuple, dict], Sequence[tuple[tuple, dict]]]
 @dataclass(frozen=True, eq=False)
 class RunContext:
     """One run: its settings, its rank layout with every process group, and who reduces gradients over the
-    replicas. Built once per run (`start`) and passed to what needs it; dropping it frees the run's groups."""
+    replicas. Built once per run (`start`) and passed to what needs it; its topology is the one owner of the run's
+    process groups, which everything else looks up through it, and `Topology.release` ends the run's hold on them
+    (at interpreter exit, `fault_tolerance.close_process_groups`)."""
 
     config: SMPConfig
     topology: Topology
@@ -132,9 +134,7 @@ class StepEngine:
             yield
             return
         check = name if name != "backward" and name not in self._attending else None
-        with context_parallel.attending_over_split_sequences(
-            topology.group("cp"), self.run.config.cp_comm_type, check=check
-        ):
+        with context_parallel.attending_over_split_sequences(topology, self.run.config.cp_comm_type, check=check):
             yield
         self._attending.add(name)
 

@@ -31,7 +31,7 @@ from torchmetrics import Metric
 
 from lightning_smp._compat import install_sigterm_hooks, mark_sigterm_received, stop_child_process_observer
 from lightning_smp.host_mirror import HostMirror
-from lightning_smp.tensor_parallel import TensorParallelModule
+from lightning_smp.topology import Topology
 
 __all__ = [
     "PEER_LOST_MESSAGES",
@@ -40,7 +40,7 @@ __all__ = [
     "close_process_groups_at_exit",
     "end_launched_ranks",
     "explain_failure",
-    "forget_module_groups",
+    "forget_metric_groups",
 ]
 
 log = logging.getLogger(__name__)
@@ -236,27 +236,33 @@ class _HoldsProcessGroups(Protocol):
     """Whether this run's last fit/validate/test ended in an exception."""
 
     def forget_process_groups(self) -> None:
-        """Drop every reference the run holds to its process groups (they are destroyed)."""
+        """Drop what this door holds that reaches its process groups, besides its runs' topologies (released next,
+        `Topology.release`); the groups are destroyed after."""
 
 
-def forget_module_groups(model: nn.Module) -> None:
-    """Drop the references ``model``'s tensor-parallel layers and torchmetrics metrics hold to the run's groups
-    (a run's ``forget_process_groups``)."""
+def forget_metric_groups(model: nn.Module) -> None:
+    """Drop the process groups ``model``'s torchmetrics metrics hold (a door's ``forget_process_groups``).
+
+    ``Metric.process_group`` is torchmetrics' own API, which takes a group object and cannot look one up through
+    the run's topology: the strategy sets it to the replicas' group (so a metric counts each sample once), and a
+    user may set one. Every other holder reaches the groups through the topology, which releases them itself."""
     for module in model.modules():
-        if isinstance(module, TensorParallelModule):
-            module.tp_forget_group()
         if isinstance(module, Metric):
             module.process_group = None
 
 
 _at_exit: weakref.WeakSet[_HoldsProcessGroups] = weakref.WeakSet()
+_owners: weakref.WeakSet[Topology] = weakref.WeakSet()
 _registered = False
 
 
-def close_process_groups_at_exit(run: _HoldsProcessGroups) -> None:
-    """Have `close_process_groups` run at interpreter exit, for ``run`` and the others registered in this process."""
+def close_process_groups_at_exit(run: _HoldsProcessGroups, topology: Topology) -> None:
+    """Have `close_process_groups` run at interpreter exit, for ``run`` (a door: a strategy, a script) and the others
+    registered in this process, and release ``topology``, the owner of the groups of the run it starts (each fit or
+    validate of a Trainer starts one; objects of an earlier run may still look its groups up)."""
     global _registered
     _at_exit.add(run)
+    _owners.add(topology)
     if not _registered:
         atexit.register(close_process_groups)
         _registered = True
@@ -267,21 +273,24 @@ def close_process_groups() -> None:
 
     torch's groups keep threads until the group object itself is freed (gloo: a network loop and two workers per
     group); ``destroy_process_group`` alone drops only torch's own references, and gloo's ``shutdown`` stops no
-    thread. A group still referenced at exit (by the strategy, the optimizer, tensor-parallel layers) is torn
-    down during interpreter finalization, where a rank of a run that succeeded can abort: "terminate called
-    without an active exception", exit code -6. So the registered runs drop their references too, and a garbage
-    collection frees what held them now. In that order: the holders (a DDP model's reducer among them) are freed
-    while torch still registers the groups, so that each group's last reference is dropped by
-    ``destroy_process_group``, which releases the GIL while gloo's workers stop; dropped by a reducer instead (the GIL
-    held), a worker that still has to release a finished collective's tensors waits for the GIL forever (pytorch
-    #56297). After a failure nothing is done here: destroying NCCL groups with work in flight can block, and the job
-    is ending anyway (`end_launched_ranks`, the launcher).
+    thread. A group still referenced at exit (by a topology, a DDP model, a metric) is torn down during interpreter
+    finalization, where a rank of a run that succeeded can abort: "terminate called without an active exception",
+    exit code -6. So the registered doors drop what they hold (and settle their pipelines), each run's topology, the
+    one owner of its groups, releases them (`Topology.release`: the layers, transports, optimizers and precision
+    plugins of that run reach them only through it), and a garbage collection frees what held them now. In that
+    order: the holders (a DDP model's reducer among them) are freed while torch still registers the groups, so that
+    each group's last reference is dropped by ``destroy_process_group``, which releases the GIL while gloo's workers
+    stop; dropped by a reducer instead (the GIL held), a worker that still has to release a finished collective's
+    tensors waits for the GIL forever (pytorch #56297). After a failure nothing is done here: destroying NCCL groups
+    with work in flight can block, and the job is ending anyway (`end_launched_ranks`, the launcher).
     """
     runs = list(_at_exit)
     if any(run.failed for run in runs):
         return
     for run in runs:
         run.forget_process_groups()
+    for topology in list(_owners):
+        topology.release()
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

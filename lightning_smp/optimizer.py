@@ -64,7 +64,8 @@ class MasterWeightOptimizer(Optimizer):
         optimizer: the inner optimizer, constructed over the model's parameters.
         loss_scaler: fp16: a static or dynamic scaler; bf16 and fp32: ``None`` (no scaling, no overflow check).
         topology: the run's layout, whose groups the overflow vote, the norm and sharded masters use while it
-            runs (held weakly: the groups are freed when the run drops it); ``None``: this rank alone.
+            runs, looked up through it at each step (held weakly; the groups go when the topology releases them
+            at the run's end, `Topology.release`); ``None``: this rank alone.
         masters: the `Masters` class to build over the trained parameters.
         clip_norm: clip the master grads to this global norm at every step (smp's ``sdp_gradient_clipping``);
             ``None``: only when asked (``clip_master_grads``, Lightning's ``gradient_clip_val``).

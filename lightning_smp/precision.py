@@ -9,7 +9,6 @@ issues #5558, #16228). The rules themselves are Lightning-free (`mixed_precision
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +25,9 @@ from lightning_smp._compat import after_closure, replace_scheduler_methods, sche
 from lightning_smp.grad_vote import clip_grad_norm_counted
 from lightning_smp.mixed_precision import PRECISION_NAMES, LossScaling, PrecisionRules
 from lightning_smp.optimizer import MasterWeightOptimizer
-from lightning_smp.reduction import ReductionPlan
 
 if TYPE_CHECKING:
+    from lightning_smp.engine import RunContext
     from lightning_smp.topology import Topology
 
 __all__ = ["SMPPrecision"]
@@ -69,22 +68,26 @@ class SMPPrecision(Precision):
             dynamic_loss_args=dict(dynamic_loss_args or {}),
             clip_norm=clip_norm,
         )
-        self._topology: Callable[[], Topology | None] = _no_topology
+        self._run: RunContext | None = None  # from `start_run`
         self._wrapped: list[MasterWeightOptimizer] = []
         self._scheduler_gates: list[_SkipAwareSchedulerStep] = []
 
-    def start_run(self, topology: Topology, reduction: ReductionPlan) -> None:
-        """The run's layout and how it reduces gradients (`plan_reduction`), from SMPStrategy before `connect`:
-        the reduction says where optimizers keep their masters and whether the module stays fp32 (FSDP2's sharded
-        parameters are the masters and cast for compute). The topology is held weakly, so that its process groups
-        are freed when the run ends."""
-        self._topology = weakref.ref(topology)
-        self._rules = dataclasses.replace(self._rules, reduction=reduction)
+    def start_run(self, run: RunContext) -> None:
+        """The run this plugin serves, from SMPStrategy's ``setup_environment`` (before `connect`).
+
+        The one hand-over after construction, and unavoidable: Lightning builds the precision plugin with the Trainer,
+        before the process groups exist, and a later fit or validate of the same Trainer is a new run. Its reduction
+        plan (`plan_reduction`) says where optimizers keep their masters and whether the module stays fp32 (FSDP2's
+        sharded parameters are the masters and cast for compute); its topology, owner of the process groups, is what
+        the optimizers this plugin wraps vote and clip over. The plugin keeps no group: the run's end
+        (`Topology.release`) reaches it through the topology."""
+        self._run = run
+        self._rules = dataclasses.replace(self._rules, reduction=run.reduction)
 
     @property
     def topology(self) -> Topology | None:
-        """The run's layout (None outside a run)."""
-        return self._topology()
+        """The run's layout (None before a run)."""
+        return self._run.topology if self._run is not None else None
 
     @property
     def rules(self) -> PrecisionRules:
@@ -256,7 +259,3 @@ class _SkipAwareSchedulerStep:
             return
         for args, kwargs in pending:
             self._step(*args, **kwargs)
-
-
-def _no_topology() -> None:
-    """The topology outside a run: none."""

@@ -269,7 +269,7 @@ class SMPStrategy(DDPStrategy):
         )
         plugin = self.precision_plugin
         if isinstance(plugin, SMPPrecision):
-            plugin.start_run(run.topology, run.reduction)
+            plugin.start_run(run)
         smp_facade.start_run(
             smp_facade.RunRecord.from_topology(
                 run.topology,
@@ -282,7 +282,7 @@ class SMPStrategy(DDPStrategy):
             )
         )
         self.failed = False
-        fault_tolerance.close_process_groups_at_exit(self)
+        fault_tolerance.close_process_groups_at_exit(self, run.topology)
 
     @contextmanager
     @override
@@ -683,11 +683,12 @@ class SMPStrategy(DDPStrategy):
             super().teardown()  # moves the model to the CPU: DTensor parameters lose attributes, meta ones fail
 
     def forget_process_groups(self) -> None:
-        """Drop every reference this run holds to its process groups, once they are destroyed (at interpreter exit,
-        `fault_tolerance.close_process_groups`), so that they are freed while Python is whole. The optimizers and
-        the precision plugin hold the topology weakly: dropping it here frees their groups too."""
+        """At interpreter exit (`fault_tolerance.close_process_groups`, before the groups are destroyed): drop what
+        this strategy holds that reaches its process groups besides the run's topology (the step engine, the SIGTERM
+        vote in flight, the checkpoint writer's group, the metrics' groups). The topology itself then releases the
+        groups, for every layer, transport, optimizer and the precision plugin of its run at once."""
         if self.model is not None:
-            fault_tolerance.forget_module_groups(self.model)
+            fault_tolerance.forget_metric_groups(self.model)
         self._sigterm.forget_vote()
         checkpointing.forget_save_group()
         self._engine = self._results = None

@@ -3,17 +3,20 @@
 Owns: where each rank sits in the data / pipeline / tensor grid (pure functions over ints), and the one
 ``build`` that creates the DeviceMesh and all process groups. No other module calls ``init_device_mesh`` or
 ``new_group``; everything else receives a ``Topology`` as ``topology=`` and asks it for sizes, ranks and
-groups. Not owned: choosing the degrees (``config.py``) and initialising the default group (the strategy).
+groups, keeping none: the topology is the groups' one owner, and `Topology.release` ends a run's hold on them. Not
+owned: choosing the degrees (``config.py``) and initialising the default group (the strategy).
 Why a DeviceMesh: DTensor / ``parallelize_module`` and ``torch.distributed.pipelining`` take meshes, and a
 mesh whose dims follow the placement order has exactly the layout of ``rank_groups`` as its row-major order.
 """
+
+from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import product
-from types import MappingProxyType
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -104,8 +107,11 @@ def coordinates(rank: int, order: str, *, dp: int, pp: int, tp: int, cp: int = 1
 class Topology:
     """This rank's view of the dp x pp x tp x cp grid and its process groups. Create it with ``build``.
 
-    Objects that use the groups during a run but must not keep them alive after it (the optimizer) hold a weak
-    reference: the groups are freed once the strategy drops its topology (`fault_tolerance.close_process_groups`).
+    The topology is the one owner of its run's process groups: the tensor-parallel layers, the pipeline's transport,
+    the step engine, the optimizers and the precision plugin keep the topology and look a group up (`group`) when they
+    communicate, never a group of their own. So `release` at the end of the run (at interpreter exit,
+    `fault_tolerance.close_process_groups`) drops every reference this package holds to them in one call. A copy is
+    the topology itself (one owner per run), and it cannot be pickled: process groups exist in one process only.
     """
 
     dp: int
@@ -118,13 +124,10 @@ class Topology:
     """Placement order as letters ("DPCT", "CTPD", ...: C placed as `rank_groups` places it), never an alias."""
     global_rank: int
     """This process's rank in the default group."""
-    mesh: DeviceMesh = field(repr=False)
-    """The 4-D mesh, dims named "dp", "pp", "tp", "cp" in placement order."""
-    _meshes: Mapping[str, DeviceMesh] = field(repr=False)
-    _embedding_group: ProcessGroup | None = field(repr=False)
+    _groups: _Groups = field(repr=False)
+    """The meshes and groups themselves, held here only (`release` empties it)."""
     sdp: int = 1
     """Sharded-data-parallel degree: ranks of the data-parallel axis one parameter is sharded over (1: none)."""
-    _sharding_meshes: Mapping[str, DeviceMesh] = field(default_factory=lambda: MappingProxyType({}), repr=False)
     cp: int = 1
     """Context-parallel degree: ranks one sequence is split over (1: none)."""
 
@@ -146,20 +149,30 @@ class Topology:
     def is_last_stage(self) -> bool:
         return self.rank("pp") == self.pp - 1
 
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The 4-D mesh, dims named "dp", "pp", "tp", "cp" in placement order."""
+        return self._live().mesh
+
+    @property
+    def released(self) -> bool:
+        """Whether `release` has run: the run has ended, and its groups are out of reach."""
+        return self._groups.released
+
     def group(self, axis: str) -> ProcessGroup:
         """The process group of this rank on ``axis`` (one of ``AXES``); "world" is the default group."""
         _check_axis(axis)
+        groups = self._live()
         if axis == "world":
             return dist.group.WORLD
-        if axis == "embedding":
-            if self._embedding_group is None:
-                raise ValueError(
-                    f"rank {self.global_rank} is pipeline stage {self.rank('pp')} of {self.pp}; only the "
-                    "first and last stages hold tied embeddings. Check `topology.is_first_stage or "
-                    "topology.is_last_stage` before asking for the 'embedding' group."
-                )
-            return self._embedding_group
-        return self._meshes[axis].get_group()
+        group = groups.groups[axis]
+        if group is None:
+            raise ValueError(
+                f"rank {self.global_rank} is pipeline stage {self.rank('pp')} of {self.pp}; only the "
+                "first and last stages hold tied embeddings. Check `topology.is_first_stage or "
+                "topology.is_last_stage` before asking for the 'embedding' group."
+            )
+        return group
 
     def size(self, axis: str) -> int:
         """Number of ranks in this rank's group on ``axis``."""
@@ -178,11 +191,63 @@ class Topology:
                 "this run has no sharded data parallelism (sharded_data_parallel_degree=1); set "
                 "sharded_data_parallel_degree to a divisor of the data-parallel degree to shard parameters."
             )
-        return self._sharding_meshes["sharded" if sharded else "whole"]
+        return self._live().sharding_meshes["sharded" if sharded else "whole"]
 
     def ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group on ``axis``, ascending (= group-rank order)."""
         return dist.get_process_group_ranks(self.group(axis))
+
+    def release(self) -> None:
+        """The run has ended: drop this topology's meshes and process groups, the package's only references to
+        them, so that ``destroy_process_group`` frees them (`fault_tolerance.close_process_groups`). It destroys
+        nothing itself. Every later lookup, from any object of the run, raises."""
+        self._groups.release()
+
+    def _live(self) -> _Groups:
+        if self._groups.released:
+            raise RuntimeError(
+                f"the process groups of this run (dp={self.dp} pp={self.pp} tp={self.tp} cp={self.cp}) were released "
+                "when it ended (at interpreter exit): its layers, pipeline and optimizers cannot communicate any "
+                "more. Use a new run (a Trainer's fit, smp.init()) to train again."
+            )
+        return self._groups
+
+    def __copy__(self) -> Topology:
+        return self  # one owner per run: a copied module or record shares it
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Topology:
+        return self
+
+    def __reduce__(self) -> Any:
+        raise TypeError(
+            "a lightning_smp Topology holds its run's process groups, which exist in this process only, and cannot "
+            "be pickled. To save a split model, use its strategy's checkpoint (trainer.save_checkpoint, fabric.save, "
+            "smp.save_checkpoint) or its state_dict, not the module object."
+        )
+
+
+class _Groups:
+    """The meshes and process groups of one run, held by its `Topology` alone. Each group is resolved once, here,
+    so that a lookup on a hot path (a tensor-parallel layer's collective) is a dict read."""
+
+    __slots__ = ("groups", "mesh", "released", "sharding_meshes")
+
+    def __init__(
+        self,
+        mesh: DeviceMesh,
+        meshes: Mapping[str, DeviceMesh],
+        embedding_group: ProcessGroup | None,
+        sharding_meshes: Mapping[str, DeviceMesh],
+    ) -> None:
+        self.mesh = mesh
+        self.groups: dict[str, ProcessGroup | None] = {axis: sub.get_group() for axis, sub in meshes.items()}
+        self.groups["embedding"] = embedding_group  # None on a middle pipeline stage
+        self.sharding_meshes = dict(sharding_meshes)
+        self.released = False
+
+    def release(self) -> None:
+        self.mesh = None  # type: ignore[assignment]
+        self.groups, self.sharding_meshes, self.released = {}, {}, True
 
 
 def build(
@@ -240,11 +305,8 @@ def build(
         tp=tp,
         order=letters,
         global_rank=dist.get_rank(),
-        mesh=mesh,
-        _meshes=MappingProxyType(meshes),
-        _embedding_group=embedding_group,
+        _groups=_Groups(mesh, meshes, embedding_group, sharding_meshes),
         sdp=sdp,
-        _sharding_meshes=MappingProxyType(sharding_meshes),
         cp=cp,
     )
     _check_groups(topology, layout)

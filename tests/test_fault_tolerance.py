@@ -5,6 +5,7 @@ The fault jobs run the way users launch them: this module, run as ``python -m te
 is the training script, and Lightning's own subprocess launcher starts the second rank. Each test launches one job.
 """
 
+import functools
 import glob
 import os
 import re
@@ -12,8 +13,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from lightning_smp import SMPStrategy, consolidate_checkpoint
 from lightning_smp.fault_tolerance import MAX_STEPS_BETWEEN_VOTES, close_process_groups, end_launched_ranks
 from lightning_smp.preemption import PREEMPTED_EXIT_CODE
+from lightning_smp.tensor_parallel import TensorParallelModule
 from tests.distributed import run_distributed, run_process
 from tests.gpt import AdamWGPT
 from tests.models import TinyRegressor, quiet_trainer
@@ -209,25 +213,60 @@ def _threads() -> list[str]:
     return sorted(Path(path).read_text().strip() for path in glob.glob("/proc/self/task/*/comm"))
 
 
-def _three_runs_then_exit(rank: int) -> dict[str, list[str]]:
-    """dp=2 fp16, tp=2 and pp=2 fits in one process (as in a notebook), then what runs at interpreter exit."""
+def _three_runs_then_exit(rank: int) -> dict[str, Any]:
+    """dp=2 fp16, tp=2 and pp=2 fits in one process (as in a notebook), then what runs at interpreter exit; and
+    whether each run's precision plugin, tensor-parallel layers and pipeline transport still reach a process group
+    after it (they use the groups through their run's topology, the groups' one owner)."""
     torch.set_num_threads(1)
     runs = [({"fp16": True}, TinyRegressor()), ({"tensor_parallel_degree": 2}, AdamWGPT())]
     runs.append(({"pipeline_parallel_degree": 2, "microbatches": 2}, AdamWGPT()))
+    uses: dict[str, list[Callable[[], Any]]] = {"precision plugin": [], "tensor-parallel layer": [], "transport": []}
+    owners = []
     for strategy_kwargs, model in runs:
-        trainer = quiet_trainer(SMPStrategy(**strategy_kwargs), devices=2, max_steps=2, limit_val_batches=0)
-        trainer.fit(model)
+        strategy = SMPStrategy(**strategy_kwargs)
+        quiet_trainer(strategy, devices=2, max_steps=2, limit_val_batches=0).fit(model)
+        owner = strategy.topology
+        owners.append(owner)
+        plugin = strategy.precision_plugin
+        assert plugin.topology is owner
+        uses["precision plugin"].append(lambda plugin=plugin: plugin.topology.group("dp"))
+        for layer in model.modules():
+            if isinstance(layer, TensorParallelModule) and layer.tp_distributed:
+                assert layer.tp_context.owner is owner
+                uses["tensor-parallel layer"].append(lambda tp=layer.tp_context: tp.group)
+        if strategy.pipeline is not None:
+            transport = strategy.pipeline._transport  # the engine's, made by its first step
+            send = functools.partial(transport.send_activation, torch.ones(1), dst=transport.peer(1), tag=9)
+            uses["transport"].append(send)
     before = _threads()
     close_process_groups()
-    return {"before": before, "after": _threads()}
+    after = _threads()
+    return {
+        "before": before,
+        "after": after,
+        "released": [owner.released for owner in owners],
+        "reaching": {what: [_reaches_a_group(use) for use in calls] for what, calls in uses.items()},
+    }
+
+
+def _reaches_a_group(use: Callable[[], Any]) -> bool:
+    try:
+        use()
+    except RuntimeError as error:
+        assert "were released when it ended" in str(error), error
+        return False
+    return True
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="lists threads through Linux's /proc")
 @pytest.mark.timeout(180)
 def test_process_groups_are_freed_at_exit_after_runs_that_succeeded():
-    for threads in run_distributed(_three_runs_then_exit, 2, timeout=150):
-        assert any(name.startswith("pt_gloo") for name in threads["before"])  # held by the runs' objects
-        assert not [name for name in threads["after"] if "gloo" in name], threads["after"]
+    for result in run_distributed(_three_runs_then_exit, 2, timeout=150):
+        assert any(name.startswith("pt_gloo") for name in result["before"])  # held by the runs' objects
+        assert not [name for name in result["after"] if "gloo" in name], result["after"]
+        assert result["released"] == [True, True, True]  # each run's topology, by one call at exit
+        for what, reaching in result["reaching"].items():
+            assert reaching and not any(reaching), what  # every holder looks its groups up through that owner
 
 
 if __name__ == "__main__":

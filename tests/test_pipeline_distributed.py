@@ -699,13 +699,12 @@ _LINK_STEPS = (
 def _exchange_over_a_link(rank: int) -> tuple[list, list[str]]:
     import warnings
 
-    import torch.distributed as dist
-
+    from lightning_smp import topology
     from lightning_smp.pipeline.p2p import NOTHING, Transport
     from tests.distributed import init_gloo
 
     init_gloo()
-    transport = Transport(dist.group.WORLD, torch.device("cpu"))
+    transport = Transport(topology.build(dp=1, pp=2, tp=1, order="cluster", device_type="cpu"), torch.device("cpu"))
     received = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -12,8 +12,10 @@ stream as one process, gradients clipped as Lightning clips them).
 - Vocabulary-parallel LM: ``DistributedEmbedding`` tied to ``DistributedLMHead`` and its vocab-parallel loss.
 """
 
+import copy
 import math
 import os
+import pickle
 from contextlib import nullcontext
 
 import lightning.pytorch as pl
@@ -26,7 +28,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import SumMetric
 
 from lightning_smp import SMPStrategy
-from lightning_smp.tensor_parallel import gather_shards, shard_of
+from lightning_smp.build import ShapeOnlyTopology
+from lightning_smp.config import SMPConfig
+from lightning_smp.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_shards,
+    parallelize,
+    shard_of,
+)
 from lightning_smp.tensor_parallel.comm import ShapeOnlyGroup, split_sequence
 from tests.distributed import init_gloo, launch_once
 from tests.gpt import SEQ, WIDTH, TinyGPT, token_batches
@@ -442,3 +452,19 @@ def test_sequence_parallel_pp2_tp2_with_offloading_matches_one_process_and_sends
 def test_a_sequence_that_does_not_split_evenly_names_the_fix():
     with pytest.raises(ValueError, match=r"sequence length 10 \(dim 1\), not a multiple of 4.*sequence_parallel=False"):
         split_sequence(torch.zeros(2, 10, 8), ShapeOnlyGroup(rank=0, size=4), dim=1)
+
+
+def test_a_split_layer_looks_its_group_up_through_the_run_and_its_copies_share_that_owner():
+    owner = ShapeOnlyTopology(tp=2)  # the memory planner's stand-in owner: a rehearsal, no processes
+    model = nn.Sequential(ColumnParallelLinear(8, 16), nn.ReLU(), RowParallelLinear(16, 8))
+    parallelize(model, topology=owner, config=SMPConfig(tensor_parallel_degree=2))
+    x = torch.randn(3, 8)
+    for layer in (model[0], model[2]):
+        assert layer.tp_context.owner is owner and "group" not in vars(layer.tp_context)  # looked up, not held
+        assert repr(layer.tp_context.group) == "ShapeOnlyGroup(rank=0, size=2)"
+    copied = copy.deepcopy(model)  # a layer of the same run: its context, with the owner, is shared
+    assert copied[0].tp_context is model[0].tp_context and copied[0].weight is not model[0].weight
+    unpickled = pickle.loads(pickle.dumps(model))  # a shape-only owner is plain data (a run's Topology refuses)
+    assert unpickled[2].tp_context.owner == owner
+    for clone in (copied, unpickled):
+        torch.testing.assert_close(clone(x), model(x))

@@ -1,6 +1,8 @@
+import copy
 import dataclasses
 import itertools
 import logging
+import pickle
 from datetime import timedelta
 from unittest import mock
 
@@ -183,6 +185,20 @@ def _one_rank(rank):
         topo.group("rdp")
     with pytest.raises(dataclasses.FrozenInstanceError):
         topo.tp = 2
+
+    # one owner per run: a copy is the topology itself, a pickle refuses, and `release` ends every lookup
+    assert copy.copy(topo) is topo and copy.deepcopy([topo])[0] is topo
+    with pytest.raises(TypeError, match=r"cannot be pickled\. To save a split model, use its strategy's checkpoint"):
+        pickle.dumps(topo)
+    assert not topo.released
+    topo.release()
+    assert topo.released
+    for axis in AXES:
+        with pytest.raises(RuntimeError, match=r"the process groups of this run \(dp=1 pp=1 tp=1 cp=1\) were released"):
+            topo.group(axis)
+    with pytest.raises(RuntimeError, match="were released"):
+        _ = topo.mesh
+    assert (topo.tp, topo.world_size) == (1, 1)  # the layout's facts stay
 
     wrong = rank_groups("DPT", dp=1, pp=1, tp=1) | {"mp": [[0, 1]]}
     with (

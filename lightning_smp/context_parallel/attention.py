@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from lightning_smp._compat import hf_attention_implementation, replaced_scaled_dot_product_attention
 from lightning_smp.context_parallel import ring, sequence
 
+if TYPE_CHECKING:
+    from lightning_smp.topology import Topology
+
 __all__ = ["HF_ATTENTION", "SplitSequenceAttention", "attending_over_split_sequences", "prepare_hugging_face"]
 
 HF_ATTENTION = "lightning_smp_context_parallel"
@@ -35,11 +38,17 @@ _IGNORE_INDEX = -100  # transformers' label of a position without a target
 
 
 class SplitSequenceAttention:
-    """``F.scaled_dot_product_attention`` over a sequence split across ``group``'s ranks (`sequence`'s layout):
-    the same arguments, the ring's (or gathered keys') result. ``calls`` counts the attention it ran."""
+    """``F.scaled_dot_product_attention`` over a sequence split across the ranks of ``topology``'s context-parallel
+    group (`sequence`'s layout): the same arguments, the ring's (or gathered keys') result. ``calls`` counts the
+    attention it ran. The group is looked up through the run's topology, its owner, at each call."""
 
-    def __init__(self, group: dist.ProcessGroup, comm: ring.Comm) -> None:
-        self.group, self.comm, self.calls = group, comm, 0
+    def __init__(self, topology: Topology, comm: ring.Comm) -> None:
+        self.topology, self.comm, self.calls = topology, comm, 0
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The context-parallel process group."""
+        return self.topology.group("cp")
 
     def __call__(
         self,
@@ -88,12 +97,12 @@ class SplitSequenceAttention:
 
 @contextmanager
 def attending_over_split_sequences(
-    group: dist.ProcessGroup, comm: ring.Comm, *, check: str | None = None
+    topology: Topology, comm: ring.Comm, *, check: str | None = None
 ) -> Generator[SplitSequenceAttention, None, None]:
-    """`SplitSequenceAttention` over ``group`` standing in for ``F.scaled_dot_product_attention`` inside the block.
-    ``check`` names a step that must run attention: if the block ran none, it raises (the model would train on each
-    rank's chunks as if they were whole sequences)."""
-    attention = SplitSequenceAttention(group, comm)
+    """`SplitSequenceAttention` over ``topology``'s context-parallel group standing in for
+    ``F.scaled_dot_product_attention`` inside the block. ``check`` names a step that must run attention: if the block
+    ran none, it raises (the model would train on each rank's chunks as if they were whole sequences)."""
+    attention = SplitSequenceAttention(topology, comm)
     # In evaluation without grad, nn.MultiheadAttention and nn.TransformerEncoderLayer take torch's fused "fast
     # path", which attends without F.scaled_dot_product_attention (over this rank's chunks only): turned off here.
     fast_path = torch.backends.mha.get_fastpath_enabled()
@@ -105,7 +114,7 @@ def attending_over_split_sequences(
         torch.backends.mha.set_fastpath_enabled(fast_path)
     if check is not None and attention.calls == 0:
         raise ValueError(
-            f"context_parallel_degree={dist.get_world_size(group)}, but the model's {check} ran no attention "
+            f"context_parallel_degree={topology.cp}, but the model's {check} ran no attention "
             "lightning_smp can split: it reaches nn.MultiheadAttention, nn.Transformer*Layer, "
             "F.scaled_dot_product_attention and Hugging Face models. Use F.scaled_dot_product_attention "
             "(is_causal=True for causal attention), or set context_parallel_degree=1."

@@ -28,8 +28,8 @@ def train_on_group_batches(module: nn.Module, *, topology: Topology) -> None:
 
     Every tensor argument with a dim (positional or keyword) is the batch: build masks and positions inside the
     model, or set ``prescaled_batch=True`` and give a group one batch. The first forward compares the group's
-    batches (`tp_batches.check_batches`, a collective over the job)."""
-    group = topology.group("tp")
+    batches (`tp_batches.check_batches`, a collective over the job). The hooks look the group up through
+    ``topology`` at each forward: the model keeps no group of its own."""
     combined: list[tp_batches.CombinedBatch] = []
     checked: list[bool] = []
 
@@ -37,11 +37,12 @@ def train_on_group_batches(module: nn.Module, *, topology: Topology) -> None:
         if not checked:
             tp_batches.check_batches((args, kwargs), topology=topology, prescaled_batch=False)
             checked.append(True)
-        combined[:] = [tp_batches.combine((args, kwargs), group=group)]
+        combined[:] = [tp_batches.combine((args, kwargs), group=topology.group("tp"))]
         return combined[0].batch
 
     def cut(_: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         batch = combined.pop()
+        group = topology.group("tp")
         return apply_to_collection(output, Tensor, lambda tensor: _own_rows(tensor, batch, group))
 
     module.register_forward_pre_hook(combine, with_kwargs=True)

@@ -11,7 +11,7 @@ itself (overflow vote, skip, clip, scaler) is `MasterWeightOptimizer`'s. Casting
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning.fabric.plugins.precision import Precision
 from torch import Tensor, nn
@@ -20,8 +20,10 @@ from typing_extensions import override
 
 from lightning_smp.mixed_precision import PrecisionRules
 from lightning_smp.optimizer import MasterWeightOptimizer
-from lightning_smp.reduction import ReductionPlan
 from lightning_smp.topology import Topology
+
+if TYPE_CHECKING:
+    from lightning_smp.engine import RunContext
 
 __all__ = ["SMPFabricPrecision"]
 
@@ -43,9 +45,11 @@ class SMPFabricPrecision(Precision):
         """The optimizers this plugin wrapped in fp32 masters (empty when the rules wrap none)."""
         return self._wrapped
 
-    def start_run(self, reduction: ReductionPlan) -> None:
-        """The run's gradient reduction (from the strategy's ``setup_environment``): it says where masters live."""
-        self._rules = dataclasses.replace(self._rules, reduction=reduction)
+    def start_run(self, run: RunContext) -> None:
+        """The run this plugin serves, from the strategy's ``setup_environment`` (Fabric builds the plugin before any
+        process group exists): its gradient reduction says where masters live. The run's groups stay with its
+        topology; the optimizers are wrapped with it (`wrap_optimizer`)."""
+        self._rules = dataclasses.replace(self._rules, reduction=run.reduction)
 
     def wrap_optimizer(
         self, optimizer: Optimizer, *, topology: Topology | None, **scaler_settings: Any

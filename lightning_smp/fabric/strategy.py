@@ -176,7 +176,7 @@ class SMPFabricStrategy(DDPStrategy):
         run = self._run = RunContext.start(
             self._config, world_size=self.world_size, device_type=self.root_device.type, timeout=strategy_timeout(self)
         )
-        self.precision.start_run(run.reduction)
+        self.precision.start_run(run)
         smp_script.attach(run, self.precision.rules, self.root_device)  # @smp.step: pipelines in a Fabric loop
         wraps = self.precision.rules.dtype is not None
         smp_facade.start_run(

@@ -27,13 +27,16 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_smp._compat import tree_flatten, tree_unflatten
+
+if TYPE_CHECKING:
+    from lightning_smp.topology import Topology
 
 __all__ = ["LAYOUT_TAG_OFFSET", "NOTHING", "Transport"]
 
@@ -60,20 +63,24 @@ _Link = tuple[int, int]  # (peer rank, tag)
 
 
 class Transport:
-    """Sends and receives between this rank and its neighbours in ``group`` (the pipeline group).
+    """Sends and receives between this rank and its neighbours in ``topology``'s pipeline group.
 
     Every rank calls `begin_step` at the start of each pipelined step, and a receiver announces with `expect`
     how many values each of its links brings in the step.
 
     Args:
-        group: the pipeline process group.
+        topology: the run, owner of the pipeline process group, which each send and receive looks up (the
+            transport keeps no group: the run's end reaches it through the topology). Outside a run (a benchmark
+            driving a transport alone, ``benchmarks/pipeline_messages.py``) a process group, which its caller owns.
         device: where received tensors are created.
     """
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
-        self._group = group
+    def __init__(self, topology: Topology | dist.ProcessGroup, device: torch.device) -> None:
+        standalone = isinstance(topology, dist.ProcessGroup)
+        self._topology: Topology | None = None if standalone else topology
+        self._standalone_group: dist.ProcessGroup | None = topology if standalone else None
         self._device = device
-        self._ranks = dist.get_process_group_ranks(group)
+        self._ranks = dist.get_process_group_ranks(self._group())
         self._pending: list[tuple[dist.Work, Any]] = []
         # per link: the layout expected this step, and the layout of the last value it carried
         self._sent_expected: dict[_Link, _Layout] = {}
@@ -82,6 +89,12 @@ class Transport:
         self._received_last: dict[_Link, _Layout] = {}
         self._posted: dict[_Link, deque[tuple[dist.Work, Tensor]]] = {}
         self._to_post: dict[_Link, int] = {}
+
+    def _group(self) -> dist.ProcessGroup:
+        if self._topology is None:
+            assert self._standalone_group is not None
+            return self._standalone_group
+        return self._topology.group("pp")  # looked up at each use: the topology owns it
 
     def peer(self, offset: int) -> int:
         """The global rank ``offset`` stages away, wrapping around (the last stage's next is the first)."""
@@ -158,7 +171,7 @@ class Transport:
         posted = []
         for output in outputs:
             buffer = torch.empty(output.shape, dtype=output.dtype, device=self._device)
-            posted.append((dist.irecv(buffer, src=src, group=self._group, tag=tag), buffer))
+            posted.append((dist.irecv(buffer, src=src, group=self._group(), tag=tag), buffer))
         return posted
 
     @staticmethod
@@ -177,7 +190,7 @@ class Transport:
         """Post the receive of the link's next value, of the expected layout's size."""
         self._to_post[link] = max(self._to_post.get(link, 0) - 1, 0)
         buffer = torch.empty(_size(self._received_expected[link]) + 1, dtype=torch.uint8, device=self._device)
-        work = dist.irecv(buffer, src=link[0], group=self._group, tag=link[1])
+        work = dist.irecv(buffer, src=link[0], group=self._group(), tag=link[1])
         self._posted.setdefault(link, deque()).append((work, buffer))
 
     def _send_layout(self, layout: _Layout, dst: int, tag: int) -> None:
@@ -190,12 +203,12 @@ class Transport:
         return pickle.loads(self._recv((length,), torch.uint8, src, tag).cpu().numpy().tobytes())
 
     def _isend(self, tensor: Tensor, dst: int, tag: int) -> None:
-        work = dist.isend(tensor, dst=dst, group=self._group, tag=tag)
+        work = dist.isend(tensor, dst=dst, group=self._group(), tag=tag)
         self._pending.append((work, tensor))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, src: int, tag: int) -> Tensor:
         tensor = torch.empty(shape, dtype=dtype, device=self._device)
-        dist.recv(tensor, src=src, group=self._group, tag=tag)
+        dist.recv(tensor, src=src, group=self._group(), tag=tag)
         return tensor
 
 

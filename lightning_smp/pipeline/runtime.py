@@ -393,7 +393,7 @@ class PipelineEngine:
 
     def _transport_(self) -> Transport:
         if self._transport is None:
-            self._transport = Transport(self._topology.group("pp"), self._device())
+            self._transport = Transport(self._topology, self._device())
         return self._transport
 
 

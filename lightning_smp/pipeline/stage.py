@@ -266,15 +266,15 @@ def _register_parameter(module: nn.Module, name: str, param: nn.Parameter) -> No
 
 def _on_meta(module: nn.Module) -> nn.Module:
     """``module`` itself, its parameters and buffers replaced by meta tensors of their shapes and dtypes (new
-    objects: a weight it shares with another module stays untouched), without tensor-parallel groups."""
+    objects: a weight it shares with another module stays untouched), without tensor-parallel contexts."""
     for sub in module.modules():
         for name, param in list(sub.named_parameters(recurse=False, remove_duplicate=False)):
             setattr(sub, name, nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=False))
         for name, buffer in list(sub.named_buffers(recurse=False, remove_duplicate=False)):
             setattr(sub, name, torch.empty_like(buffer, device="meta"))
-        forget_group = getattr(sub, "tp_forget_group", None)
-        if forget_group is not None:
-            forget_group()  # the whole-layer forward: no collective on meta tensors
+        forget_context = getattr(sub, "tp_forget_context", None)
+        if forget_context is not None:
+            forget_context()  # the whole-layer forward: no collective on meta tensors
     return module
 
 

@@ -146,8 +146,9 @@ class DistributedModel(nn.Module):
         return self._names_before_split
 
     def forget_process_groups(self) -> None:
-        """Drop the references the split layers and metrics hold to the run's groups (at exit)."""
-        fault_tolerance.forget_module_groups(self.get_module())
+        """Drop the groups the model's torchmetrics metrics hold (at exit); its split layers look theirs up through
+        the run's topology, which releases them."""
+        fault_tolerance.forget_metric_groups(self.get_module())
 
 
 def _split_step_arguments(args: tuple, kwargs: dict, *, microbatches: int) -> list[tuple[tuple, dict]]:

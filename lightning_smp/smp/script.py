@@ -148,7 +148,8 @@ class ScriptRun:
 
     def forget_process_groups(self) -> None:
         """At exit (`fault_tolerance.close_process_groups`): the pipeline's stages settle (no stage leaves before
-        every stage has its last step's result), then every reference to the run's groups is dropped."""
+        every stage has its last step's result), then the metrics' groups and the checkpoint writer's go, and the
+        model and optimizers; the run's topology releases the groups its layers and pipeline look up."""
         if self.model is not None:
             if dist.is_initialized():
                 self.model.engine.settle()
@@ -212,7 +213,8 @@ def attach(run: RunContext, rules: PrecisionRules, device: torch.device) -> Scri
 
 
 def detach() -> None:
-    """The door's run ends (`attach`): the pipeline's stages settle, the references to its groups go."""
+    """The door's run ends (`attach`): the pipeline's stages settle, and the script run lets go of the model, the
+    optimizers and the metrics' groups (the run's topology releases its groups at exit)."""
     global _script
     script, _script = _script, None
     if script is not None:
@@ -267,7 +269,7 @@ def _open(script: ScriptRun) -> ScriptRun:
     exception that ends the process marks it failed (the hook is installed once per process)."""
     global _script, _failures_noted
     _script = script
-    fault_tolerance.close_process_groups_at_exit(script)
+    fault_tolerance.close_process_groups_at_exit(script, script.run.topology)
     if not _failures_noted:
         _failures_noted = True
         _note_failures()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,7 @@ from lightning_smp.tensor_parallel.comm import (
 from lightning_smp.tensor_parallel.rng import TensorParallelRNG
 from lightning_smp.tensor_parallel.shard import ShardSpec, remember_meta_whole, shard_of, slice_shard
 
-__all__ = ["SequenceSplit", "TensorParallel", "TensorParallelModule", "WholeTensorParallelModule"]
+__all__ = ["GroupOwner", "SequenceSplit", "TensorParallel", "TensorParallelModule", "WholeTensorParallelModule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,12 +48,22 @@ class SequenceSplit:
     """The module returns the whole sequence: the last layer of a region all-gathers its output."""
 
 
+class GroupOwner(Protocol):
+    """What owns a run's process groups and looks them up by axis: the run's `Topology`, or the memory planner's
+    shape-only stand-in (`build.ShapeOnlyTopology`, whose groups are `ShapeOnlyGroup`s)."""
+
+    def group(self, axis: str) -> dist.ProcessGroup | ShapeOnlyGroup: ...
+
+
 @dataclass(frozen=True, eq=False)
 class TensorParallel:
-    """One model replica's tensor-parallel group, as one module sees it."""
+    """One model replica's tensor-parallel group, as one module sees it: the run that owns the group, this rank's
+    shard, the dropout stream and how the module meets sequence parallelism. It holds no process group itself: a
+    layer looks the group up through ``owner`` at each collective, so the run's end (`Topology.release`) reaches
+    every layer it split without visiting them."""
 
-    group: dist.ProcessGroup | ShapeOnlyGroup
-    """The tensor-parallel process group (the topology's "tp" axis); a `ShapeOnlyGroup` in the memory planner."""
+    owner: GroupOwner
+    """The run's `Topology` (its "tp" axis is the group), or a shape-only stand-in in the memory planner."""
     rank: int
     """This rank's index in ``group``: which shard it holds."""
     size: int
@@ -64,7 +74,12 @@ class TensorParallel:
     """How the module meets sequence parallelism; None: the activations around it are whole."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> TensorParallel:
-        return self  # process groups cannot be copied; a copied module shares its group
+        return self  # a copied module is a layer of the same run: it shares the run's groups and dropout stream
+
+    @property
+    def group(self) -> dist.ProcessGroup | ShapeOnlyGroup:
+        """The tensor-parallel process group, looked up through the run that owns it (raises once the run ended)."""
+        return self.owner.group("tp")
 
     def with_sequence(self, sequence: SequenceSplit | None) -> TensorParallel:
         """The same group and stream, meeting sequence parallelism as ``sequence`` says."""
@@ -118,8 +133,9 @@ class TensorParallelModule(nn.Module):
         """The tensor-parallel group, rank and dropout stream this module's forward uses; None until it is split."""
         return self._tp
 
-    def tp_forget_group(self) -> None:
-        """Drop this module's reference to its tensor-parallel group (at teardown, once the groups are destroyed)."""
+    def tp_forget_context(self) -> None:
+        """Drop this module's tensor-parallel context: its forward runs as the whole layer's, with no collective
+        (a pipeline stage's meta-device placeholder of a layer another stage owns). Its shards stay as they are."""
         self._tp = None
 
     @classmethod

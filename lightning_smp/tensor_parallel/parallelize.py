@@ -70,7 +70,7 @@ def parallelize(
     seed = tensor_parallel_seed(
         config.tensor_parallel_seed, tp_rank=topology.rank("tp"), tp_size=tp_size, pp_rank=topology.rank("pp")
     )
-    tp = TensorParallel(group=group, rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
+    tp = TensorParallel(owner=topology, rank=topology.rank("tp"), size=tp_size, rng=TensorParallelRNG(seed))
     apply_plan(plan, tp)
     _keep_transformer_encoders_off_nested_tensors(model)
     sharded = replicated = 0
