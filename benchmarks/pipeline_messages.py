@@ -102,16 +102,18 @@ def _ours_step(
 def _rank(rank: int, args: argparse.Namespace, out: Any) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
+    from lightning_smp import topology as layout
     from lightning_smp.pipeline import schedule
     from lightning_smp.pipeline.p2p import Transport
 
     dist.init_process_group("gloo", rank=rank, world_size=STAGES)
+    run = layout.build(dp=1, pp=STAGES, tp=1, order="cluster", device_type="cpu")  # owns the pipeline group
     plan = schedule.build("interleaved", stages=STAGES, stage=rank, microbatches=args.microbatches)
     batch = torch.zeros(args.rows * args.microbatches, args.width)
     result = {}
     for micros in args.compute_us:
         seconds = micros * 1e-6
-        transport = Transport(dist.group.WORLD, torch.device("cpu"))
+        transport = Transport(run, torch.device("cpu"))
         inputs = list(batch.chunk(args.microbatches))
         ours = functools.partial(_ours_step, rank, args, _BusyStage(seconds), inputs, transport, plan)
         result[("ours", micros)] = _time(ours, args)

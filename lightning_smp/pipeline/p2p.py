@@ -70,15 +70,12 @@ class Transport:
 
     Args:
         topology: the run, owner of the pipeline process group, which each send and receive looks up (the
-            transport keeps no group: the run's end reaches it through the topology). Outside a run (a benchmark
-            driving a transport alone, ``benchmarks/pipeline_messages.py``) a process group, which its caller owns.
+            transport keeps no group: the run's end reaches it through the topology).
         device: where received tensors are created.
     """
 
-    def __init__(self, topology: Topology | dist.ProcessGroup, device: torch.device) -> None:
-        standalone = isinstance(topology, dist.ProcessGroup)
-        self._topology: Topology | None = None if standalone else topology
-        self._standalone_group: dist.ProcessGroup | None = topology if standalone else None
+    def __init__(self, topology: Topology, device: torch.device) -> None:
+        self._topology = topology
         self._device = device
         self._ranks = dist.get_process_group_ranks(self._group())
         self._pending: list[tuple[dist.Work, Any]] = []
@@ -91,9 +88,6 @@ class Transport:
         self._to_post: dict[_Link, int] = {}
 
     def _group(self) -> dist.ProcessGroup:
-        if self._topology is None:
-            assert self._standalone_group is not None
-            return self._standalone_group
         return self._topology.group("pp")  # looked up at each use: the topology owns it
 
     def peer(self, offset: int) -> int:
