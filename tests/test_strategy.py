@@ -1,5 +1,7 @@
 """SMPStrategy: its names and arguments, and data parallelism checked against the single-process run."""
 
+import dataclasses
+import inspect
 import math
 import os
 import sys
@@ -12,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_smp import SMPStrategy
+from lightning_smp.config import SMPConfig
 from tests.distributed import run_distributed, run_process
 from tests.models import TinyRegressor, quiet_trainer
 from tests.parity import FP16_REL, FP32_REL, assert_same_overflow, mean_losses, single_device_run
@@ -198,3 +201,13 @@ def test_the_fork_launched_name_trains_on_two_processes():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "world_size 2 trained True" in result.stdout
     assert "`max_steps=3` reached" in result.stderr
+
+
+def test_every_smp_setting_is_a_keyword_of_the_strategy_with_the_configs_default():
+    # SMPConfig is the one list of settings; the strategy repeats them as keywords only so that LightningCLI and IDEs
+    # see each one, and this keeps the two from drifting apart
+    keywords = inspect.signature(SMPStrategy.__init__).parameters
+    for setting in dataclasses.fields(SMPConfig):
+        assert setting.name in keywords, f"SMPStrategy has no keyword {setting.name!r}: add it to its signature"
+        default = setting.default if setting.default is not dataclasses.MISSING else setting.default_factory()
+        assert keywords[setting.name].default == default, setting.name
