@@ -174,16 +174,11 @@ def _trainer(rank: int, args: argparse.Namespace, out: Any, layout: str) -> None
             clock.tick()
 
     steps = args.warmup + args.steps
-    trainer = pl.Trainer(
+    trainer = bench.quiet_trainer(
         accelerator=args.accelerator,
         devices=_ranks(layout),
         strategy=SMPStrategy(**_settings(args, layout)),
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
     )
     module = Module()
     data = _data(args, torch.device("cpu"))  # the Trainer moves each batch to the device

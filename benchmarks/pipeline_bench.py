@@ -147,20 +147,24 @@ def fit_blocks(
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return optimizer(self.parameters())
 
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
+    trainer = quiet_trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, callbacks=callbacks)
+    loader = torch.utils.data.DataLoader([blocks_data(args)] * steps, batch_size=None)
+    trainer.fit(Blocks(), train_dataloaders=loader)
+
+
+def quiet_trainer(**trainer_kwargs: Any) -> Any:
+    """A Trainer that prints and writes nothing (no logger, checkpoint, progress bar or model summary) and takes
+    each batch as its loader gives it (no distributed sampler): the step is all a benchmark times."""
+    import lightning.pytorch as pl
+
+    return pl.Trainer(
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=callbacks,
+        **trainer_kwargs,
     )
-    loader = torch.utils.data.DataLoader([blocks_data(args)] * steps, batch_size=None)
-    trainer.fit(Blocks(), train_dataloaders=loader)
 
 
 def timed_fit(
