@@ -223,21 +223,18 @@ def _one_device(model: str, *, replicas: int, fp16: bool = False, clip: float = 
     ``replicas`` ranks' batches (every rank reads its own, tensor-parallel ones too: prescaled_batch=False), clipping
     every step to ``clip``; fp16 from `INIT_SCALE`, doubling after ``window`` clean steps. ``model``: "regressor"
     (8 samples a rank under dp2, 4 under dp4), "gpt" or "llama"."""
-    if model == "regressor":
-        batch_size = 16 // replicas
-        return single_device_run(
-            lambda: _Regressor(batch_size=batch_size), _mse, steps=STEPS, replicas=replicas, fp16=fp16,
-            init_scale=INIT_SCALE, scale_window=window, clip_norm=clip,
-        )  # fmt: skip
 
-    def built() -> _OnTokens:
+    def built() -> pl.LightningModule:
+        if model == "regressor":
+            return _Regressor(batch_size=16 // replicas)
         module = {"gpt": _GPT, "llama": _Llama}[model](batch_size=4)
         module.configure_model()
         return module
 
+    loss = _mse if model == "regressor" else lambda module, batch, step: module.loss(batch)
     return single_device_run(
-        built, lambda module, batch, step: module.loss(batch), steps=STEPS, replicas=replicas, fp16=fp16,
-        init_scale=INIT_SCALE, scale_window=window, clip_norm=clip,
+        built, loss, steps=STEPS, replicas=replicas, fp16=fp16, init_scale=INIT_SCALE, scale_window=window,
+        clip_norm=clip,
     )  # fmt: skip
 
 
