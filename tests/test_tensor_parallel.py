@@ -303,31 +303,25 @@ def plain_reference(name: str) -> dict:
     step); and the sequence-parallel runs' (`_SEQUENCE_RUNS`): ``sp``, ``sp_fp16`` (with dropout on the residual
     stream), ``sp_no_dropout``, ``sp_fp16_no_dropout``, each clipped to `CLIP` and validated."""
     accumulate = 2 if name == "mlp_accumulated" else 1
-    if name.startswith("sp"):
-        model = _TinyGPT(GLOBAL_BATCH, dropout=0.0 if name.endswith("no_dropout") else DROPOUT)
-        model.configure_model()
-        return plain_fit(
-            model,
-            _gpt_loss,
-            lightning_batches(model.train_dataloader(), STEPS),
-            optimizer=model.configure_optimizers(),
-            fp16=FP16["dynamic_loss_args"] if "fp16" in name else None,
-            clip_norm=CLIP,
-            validation=list(model.val_dataloader()),
-        )
-    if name.startswith("gpt") or name == "vocab":
+    sequence_parallel = name.startswith("sp")
+    if sequence_parallel:
+        model, loss = _TinyGPT(GLOBAL_BATCH, dropout=0.0 if name.endswith("no_dropout") else DROPOUT), _gpt_loss
+    elif name.startswith("gpt") or name == "vocab":
         model, loss = _TinyGPT(GLOBAL_BATCH, vocab_parallel=name == "vocab"), _gpt_loss
-        model.configure_model()
     else:
         model, loss = _MlpRegressor(GLOBAL_BATCH), _mlp_loss
+    if isinstance(model, _TinyGPT):
+        model.configure_model()
+    validated = sequence_parallel or name == "gpt"
     return plain_fit(
         model,
         loss,
         lightning_batches(model.train_dataloader(), STEPS * accumulate),
         optimizer=model.configure_optimizers(),
         accumulate=accumulate,
-        fp16=FP16["dynamic_loss_args"] if name == "gpt_fp16" else None,
-        validation=list(model.val_dataloader()) if name == "gpt" else (),  # validation is read in order
+        fp16=FP16["dynamic_loss_args"] if name in ("gpt_fp16", "sp_fp16", "sp_fp16_no_dropout") else None,
+        clip_norm=CLIP if sequence_parallel else None,
+        validation=list(model.val_dataloader()) if validated else (),  # validation is read in order
     )
 
 
