@@ -315,7 +315,7 @@ def _under_mpirun(rank: int, config: dict) -> dict:
         ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
         ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"),
     ):
-        os.environ[mpi] = os.environ.pop(ours, "2")
+        os.environ[mpi] = os.environ.pop(ours)
     return _script(rank, config, {})
 
 
